@@ -1,0 +1,23 @@
+"""coda-cute: GEMM + epilogue programs written in Python, emitted as readable CuTe-DSL kernels.
+
+Layers, in the order a program flows through them:
+
+- ``frontend``   the user's contract: ``@epilogue`` functions of named operands;
+- ``program``    the validated program (a typed DAG) and its fingerprint;
+- ``arguments``  checks of runtime tensors against a program (shared by every consumer);
+- ``reference``  the pure-PyTorch interpreter: ground truth and CPU fallback;
+- ``library``    the ready programs in ``epilogues/``;
+- ``cli``        ``coda-cute list | show | emit``.
+"""
+
+from .errors import ArgumentError, CodaError, ProgramError, UnsupportedError
+from .frontend import (
+    ColVec, Expr, Reduction, RowVec, Scalar, Table, Tile, bf16, clamp, col_logsumexp, col_max,
+    col_maxabs, col_sum, col_sumsq, epilogue, exp, f16, f32, gelu, gelu_tanh, input_dtype, interleave, log,
+    maximum, minimum, pairs, reduce, relu, row_logsumexp, row_max, row_maxabs, row_sum, row_sumsq,
+    rsqrt, sigmoid, silu, sqrt, square, tanh, where,
+)
+from .program import Program
+from .reference import evaluate as reference
+
+__version__ = "0.1.0"

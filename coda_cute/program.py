@@ -1,0 +1,458 @@
+"""The validated epilogue program: a small DAG of typed nodes, shared by every consumer.
+
+A program describes what happens to one GEMM output ``acc = A @ B.T`` (fp32, M x N)
+before it leaves the chip.  Consumers: the reference interpreter (``reference.py``),
+the code generator (``lower.py`` -> ``templates/``) and, later, backward derivation.
+
+Every node carries three static facts, checked when the node is built:
+
+- ``dtype``: ``"f32"``, ``"i32"`` (coordinates and integer constants) or ``"bool"``;
+- ``width``: which column space the value lives in, as a multiple of N: ``1/2`` (one value
+  per column pair of the accumulator), ``1`` (per accumulator column) or ``2`` (two values
+  per accumulator column), or ``None`` for values that are the same along a row (scalars,
+  per-row vectors, the row index);
+- ``op`` and ``attrs``: what it computes (see ``ELEMENTWISE`` for the elementwise ops).
+
+Outputs are either tiles (stored with their own dtype) or reductions (per-tile partials,
+finished after the kernel).  ``Program`` owns validation of the whole graph and its
+fingerprint; per-call checks of tensor shapes live in ``arguments.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import keyword
+import math
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from .errors import ProgramError
+
+#: Bumped whenever the meaning of a serialized program changes.
+IR_VERSION = 1
+
+#: Dtypes a tile output or a rounding cast may name (storage dtypes); "in" is the GEMM
+#: inputs' dtype, resolved when the program is bound to tensors.
+STORAGE_DTYPES = ("f32", "bf16", "f16", "in")
+
+#: Column spaces a value may live in, as multiples of N (see module docstring).
+WIDTHS = (Fraction(1, 2), Fraction(1), Fraction(2))
+
+_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,47}\Z")
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+def width_str(width: Fraction | None) -> str:
+    """'N/2', 'N', '2N' or 'row-constant' (for error messages and listings)."""
+    if width is None:
+        return "row-constant"
+    return {Fraction(1, 2): "N/2", Fraction(1): "N", Fraction(2): "2N"}.get(width, f"{width}*N")
+
+
+def parse_width(text: str | int | Fraction) -> Fraction:
+    """Parse a user-facing width ('N', 'N/2', '2N') into a Fraction of N."""
+    table = {"N": Fraction(1), "N/2": Fraction(1, 2), "2N": Fraction(2)}
+    if isinstance(text, str) and text.replace(" ", "") in table:
+        return table[text.replace(" ", "")]
+    raise ProgramError(f"width {text!r} is not one of 'N/2', 'N', '2N'")
+
+
+def check_name(name: object, what: str) -> str:
+    """Reject names that could not appear verbatim in emitted Python source.
+
+    Emitted code prefixes every user name (see ``lower.py``), so a valid name can never
+    shadow a template variable; this check keeps quotes, newlines, dots and the like out.
+    """
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ProgramError(
+            f"{what} name {name!r} is not a safe identifier: expected a letter followed by "
+            "up to 47 letters, digits or underscores"
+        )
+    if keyword.iskeyword(name) or keyword.issoftkeyword(name):
+        raise ProgramError(f"{what} name {name!r} is a Python keyword; choose another name")
+    return name
+
+
+# --------------------------------------------------------------------------- elementwise ops
+@dataclass(frozen=True)
+class OpInfo:
+    """Static description of one elementwise op: its arity and how its result type is formed.
+
+    ``kind``: 'arith' (int stays int, else f32), 'float' (always f32), 'int' (ints only),
+    'compare' (numbers -> bool), 'logic' (bools -> bool), 'select' (where).
+    """
+
+    name: str
+    arity: int
+    kind: str
+    symbol: str = ""  # infix spelling for listings, e.g. '+'
+
+
+ELEMENTWISE: dict[str, OpInfo] = {
+    op.name: op
+    for op in [
+        OpInfo("add", 2, "arith", "+"),
+        OpInfo("sub", 2, "arith", "-"),
+        OpInfo("mul", 2, "arith", "*"),
+        OpInfo("div", 2, "float", "/"),
+        OpInfo("floordiv", 2, "int", "//"),
+        OpInfo("mod", 2, "int", "%"),
+        OpInfo("minimum", 2, "arith"),
+        OpInfo("maximum", 2, "arith"),
+        OpInfo("neg", 1, "arith"),
+        OpInfo("abs", 1, "arith"),
+        OpInfo("square", 1, "arith"),
+        OpInfo("exp", 1, "float"),
+        OpInfo("log", 1, "float"),
+        OpInfo("sqrt", 1, "float"),
+        OpInfo("rsqrt", 1, "float"),
+        OpInfo("tanh", 1, "float"),
+        OpInfo("sigmoid", 1, "float"),
+        OpInfo("relu", 1, "float"),
+        OpInfo("gelu", 1, "float"),
+        OpInfo("gelu_tanh", 1, "float"),
+        OpInfo("silu", 1, "float"),
+        OpInfo("lt", 2, "compare", "<"),
+        OpInfo("le", 2, "compare", "<="),
+        OpInfo("gt", 2, "compare", ">"),
+        OpInfo("ge", 2, "compare", ">="),
+        OpInfo("eq", 2, "compare", "=="),
+        OpInfo("ne", 2, "compare", "!="),
+        OpInfo("and_", 2, "logic", "&"),
+        OpInfo("or_", 2, "logic", "|"),
+        OpInfo("not_", 1, "logic"),
+        OpInfo("where", 3, "select"),
+    ]
+}
+
+#: Reductions a program may ask for; each has an identity for padding partial tiles.
+REDUCTIONS = ("sum", "sumsq", "max", "maxabs", "logsumexp")
+REDUCE_AXES = ("row", "col")
+
+
+# --------------------------------------------------------------------------- nodes
+@dataclass(frozen=True, eq=False)
+class Node:
+    """One value of the program.  Compared by identity; ``key`` gives structure.
+
+    ops: 'acc', 'load' (attrs: operand name), 'const' (attrs: value), 'row', 'col',
+    'cast' (attrs: storage dtype), 'pair' (attrs: 0 even / 1 odd), 'interleave',
+    'segreduce' (attrs: reduction kind, segment width), or an ``ELEMENTWISE`` name.
+    """
+
+    op: str
+    args: tuple[Node, ...] = ()
+    attrs: tuple = ()
+    dtype: str = "f32"
+    width: Fraction | None = None
+    hint: str | None = field(default=None, compare=False)
+
+    def describe(self) -> str:
+        """The value's name if it has one, else a short math-like rendering."""
+        return self.hint or self.expand()
+
+    def expand(self) -> str:
+        """A short math-like rendering of this node, with named sub-values shown by name."""
+        return _render(self, depth=0)
+
+
+def _render(node: Node, depth: int) -> str:
+    if depth > 0 and node.hint:
+        return node.hint
+    if depth > 5 and node.args:
+        return "..."
+    a = [_render(x, depth + 1) for x in node.args]
+    op = node.op
+    if op == "acc":
+        return "acc"
+    if op == "load":
+        return node.attrs[0]
+    if op == "const":
+        return repr(node.attrs[0])
+    if op in ("row", "col"):
+        return op if op == "row" else f"col[{width_str(node.width)}]"
+    if op == "cast":
+        return f"{a[0]}.to({node.attrs[0]})"
+    if op == "pair":
+        return f"pairs({a[0]})[{node.attrs[0]}]"
+    if op == "interleave":
+        return f"interleave({a[0]}, {a[1]})"
+    if op == "segreduce":
+        return f"row_{node.attrs[0]}({a[0]}, segment={node.attrs[1]})"
+    info = ELEMENTWISE[op]
+    if info.symbol and len(a) == 2:
+        return f"({a[0]} {info.symbol} {a[1]})"
+    return f"{op.rstrip('_')}({', '.join(a)})"
+
+
+def _promote(nodes: list[Node], what: str) -> str:
+    dtypes = {n.dtype for n in nodes}
+    if "bool" in dtypes:
+        raise ProgramError(f"{what}: a comparison result (bool) cannot be used as a number; use where(...)")
+    return "i32" if dtypes == {"i32"} else "f32"
+
+
+def join_widths(nodes: list[Node], what: str) -> Fraction | None:
+    """The common column space of ``nodes`` (row-constant values broadcast into any)."""
+    widths = {n.width for n in nodes if n.width is not None}
+    if len(widths) > 1:
+        shown = ", ".join(f"{n.describe()} is {width_str(n.width)} wide" for n in nodes if n.width is not None)
+        raise ProgramError(
+            f"{what}: operands live in different column spaces ({shown}); elementwise ops need "
+            "values of the same width (pairs() halves the width, interleave() doubles it)"
+        )
+    return widths.pop() if widths else None
+
+
+def make_elementwise(op: str, args: list[Node]) -> Node:
+    """Build an elementwise node, checking its types and widths."""
+    info = ELEMENTWISE[op]
+    if len(args) != info.arity:
+        raise ProgramError(f"{op} takes {info.arity} argument(s), got {len(args)}")
+    what = f"{op}({', '.join(a.describe() for a in args)})"
+    width = join_widths(args, what)
+    if info.kind == "arith":
+        dtype = _promote(args, what)
+    elif info.kind == "float":
+        _promote(args, what)
+        dtype = "f32"
+    elif info.kind == "int":
+        if any(a.dtype != "i32" for a in args):
+            raise ProgramError(f"{what}: '{info.symbol}' is defined on integers (coordinates) only")
+        dtype = "i32"
+    elif info.kind == "compare":
+        _promote(args, what)
+        dtype = "bool"
+    elif info.kind == "logic":
+        if any(a.dtype != "bool" for a in args):
+            raise ProgramError(f"{what}: logical ops take comparison results (bool)")
+        dtype = "bool"
+    else:  # select
+        if args[0].dtype != "bool":
+            raise ProgramError(f"{what}: where() needs a comparison as its first argument")
+        dtype = _promote(args[1:], what)
+    return Node(op, tuple(args), (), dtype, width)
+
+
+def make_const(value: object) -> Node:
+    """A compile-time constant.  NaN is rejected; infinities are allowed (masks, max)."""
+    if isinstance(value, bool):
+        raise ProgramError("boolean constants are not supported; use a comparison")
+    if isinstance(value, int):
+        if not _INT32[0] <= value <= _INT32[1]:
+            raise ProgramError(f"integer constant {value} does not fit in int32")
+        return Node("const", (), (value,), "i32", None)
+    if isinstance(value, float):
+        if math.isnan(value):
+            raise ProgramError("constant NaN is not allowed in an epilogue program")
+        return Node("const", (), (value,), "f32", None)
+    raise ProgramError(
+        f"cannot use {type(value).__name__} {value!r} in an epilogue program: expected a Python "
+        "int or float constant, or an operand declared as a parameter (RowVec, ColVec, Tile, Scalar, Table)"
+    )
+
+
+# --------------------------------------------------------------------------- operands / outputs
+OPERAND_KINDS = ("row", "col", "tile", "scalar", "table")
+
+
+@dataclass(frozen=True)
+class Operand:
+    """An input the epilogue reads besides the accumulator.
+
+    kind 'row': vector of length M (one value per row); 'col': vector with one value per
+    column of its width; 'tile': M x (width*N) tensor; 'scalar': runtime float;
+    'table': 2-D tensor T of shape (R, P) read as T[row % R, col % P].
+    """
+
+    name: str
+    kind: str
+    width: Fraction | None = None
+
+    def describe(self) -> str:
+        shape = {
+            "row": "(M,)",
+            "col": f"({width_str(self.width)},)",
+            "tile": f"(M, {width_str(self.width)})",
+            "scalar": "runtime float",
+            "table": f"(R, P), read as T[row % R, col % P], col in {width_str(self.width)}",
+        }[self.kind]
+        return f"{self.name}: {self.kind} {shape}"
+
+
+@dataclass(frozen=True)
+class Output:
+    """A stored result: a tile (``dtype`` None = the GEMM inputs' dtype) or a reduction.
+
+    Reductions (``reduce`` = kind, ``axis`` = 'row' for one value per row, 'col' for one
+    value per column) are written as per-tile partials; see ``reference.py`` for the layout.
+    """
+
+    name: str
+    node: Node
+    dtype: str | None = None
+    reduce: str | None = None
+    axis: str | None = None
+
+    @property
+    def is_reduction(self) -> bool:
+        return self.reduce is not None
+
+
+# --------------------------------------------------------------------------- program
+class Program:
+    """A validated epilogue program.  Build one with ``@coda_cute.epilogue``."""
+
+    def __init__(self, name: str, operands: list[Operand], outputs: list[Output], doc: str = ""):
+        self.name = check_name(name, "program")
+        self.operands = tuple(operands)
+        self.outputs = tuple(outputs)
+        self.doc = doc
+        self._validate()
+        self.nodes = self._toposort()
+        self.fingerprint = hashlib.sha256(self.canonical().encode()).hexdigest()
+
+    # -- queries
+    def operand(self, name: str) -> Operand:
+        for op in self.operands:
+            if op.name == name:
+                return op
+        raise KeyError(name)
+
+    @property
+    def tile_outputs(self) -> tuple[Output, ...]:
+        return tuple(o for o in self.outputs if not o.is_reduction)
+
+    @property
+    def reductions(self) -> tuple[Output, ...]:
+        return tuple(o for o in self.outputs if o.is_reduction)
+
+    def uses(self, op: str) -> bool:
+        return any(n.op == op for n in self.nodes)
+
+    # -- validation
+    def _validate(self) -> None:
+        seen: dict[str, str] = {}
+        for op in self.operands:
+            check_name(op.name, "operand")
+            if op.kind not in OPERAND_KINDS:
+                raise ProgramError(f"operand {op.name!r}: unknown kind {op.kind!r}")
+            if op.name in seen:
+                raise ProgramError(f"operand {op.name!r} is declared twice")
+            seen[op.name] = "operand"
+        if not self.outputs:
+            raise ProgramError(f"program {self.name!r} writes no outputs: return an expression or a dict of them")
+        for out in self.outputs:
+            check_name(out.name, "output")
+            if out.name in seen:
+                raise ProgramError(f"output {out.name!r} has the same name as an {seen[out.name]}")
+            seen[out.name] = "output"
+            self._validate_output(out)
+        declared = {op.name for op in self.operands}
+        for node in _walk([o.node for o in self.outputs]):
+            if node.op == "load" and node.attrs[0] not in declared:
+                raise ProgramError(
+                    f"node {node.describe()!r} reads unknown operand {node.attrs[0]!r}; "
+                    f"declared operands: {sorted(declared) or 'none'}"
+                )
+
+    def _validate_output(self, out: Output) -> None:
+        node = out.node
+        if not isinstance(node, Node):
+            raise ProgramError(f"output {out.name!r} is never written: its value is {node!r}, expected an expression")
+        if node.dtype != "f32":
+            raise ProgramError(
+                f"output {out.name!r} = {node.describe()} is {node.dtype}; outputs must be numbers "
+                "(use where(...) to turn a comparison into values, or .to(f32) for integers)"
+            )
+        if node.width is None:
+            raise ProgramError(
+                f"output {out.name!r} = {node.describe()} is the same along every row, so its width "
+                "is undefined; combine it with a column-varying value such as acc"
+            )
+        if out.reduce is None:
+            if node.width not in WIDTHS:
+                raise ProgramError(f"output {out.name!r} is {width_str(node.width)} wide; tiles may be N/2, N or 2N wide")
+            if out.dtype is not None and out.dtype not in STORAGE_DTYPES:
+                raise ProgramError(f"output {out.name!r}: dtype {out.dtype!r} is not one of {STORAGE_DTYPES}")
+        else:
+            if out.reduce not in REDUCTIONS:
+                raise ProgramError(f"output {out.name!r}: reduction {out.reduce!r} is not one of {REDUCTIONS}")
+            if out.axis not in REDUCE_AXES:
+                raise ProgramError(
+                    f"output {out.name!r}: cannot reduce over axis {out.axis!r}; expected 'row' "
+                    "(one value per row, reduced over columns) or 'col' (one value per column)"
+                )
+
+    def _toposort(self) -> tuple[Node, ...]:
+        return tuple(_walk([o.node for o in self.outputs]))
+
+    # -- identity
+    def canonical(self) -> str:
+        """Deterministic JSON of everything that can change the emitted kernel."""
+        index: dict[int, int] = {}
+        nodes = []
+        for node in self.nodes:
+            index[id(node)] = len(nodes)
+            nodes.append([node.op, [index[id(a)] for a in node.args], [_encode(v) for v in node.attrs],
+                          node.dtype, _encode(node.width), node.hint])
+        doc = {
+            "ir": IR_VERSION,
+            "name": self.name,
+            "operands": [[o.name, o.kind, _encode(o.width)] for o in self.operands],
+            "nodes": nodes,
+            "outputs": [[o.name, index[id(o.node)], o.dtype, o.reduce, o.axis] for o in self.outputs],
+        }
+        return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+
+    def describe(self) -> str:
+        """A listing of operands, named nodes and outputs (what `coda-cute show` prints)."""
+        lines = [f"program {self.name}  (fingerprint {self.fingerprint[:16]})"]
+        if self.doc:
+            lines += ["  " + self.doc.strip().splitlines()[0]]
+        lines.append("operands:")
+        lines += [f"  {op.describe()}" for op in self.operands] or ["  (accumulator only)"]
+        lines.append("values:")
+        for node in self.nodes:
+            if node.hint:
+                lines.append(f"  {node.hint} = {node.expand()}   [{node.dtype}, {width_str(node.width)}]")
+        lines.append("outputs:")
+        for out in self.outputs:
+            if out.is_reduction:
+                per = "per row (M,)" if out.axis == "row" else f"per column ({width_str(out.node.width)},)"
+                lines.append(f"  {out.name} = {out.axis}_{out.reduce}({out.node.describe()})  {per}, fp32 partials")
+            else:
+                dt = out.dtype or "input dtype"
+                lines.append(f"  {out.name} = {out.node.describe()}  tile (M, {width_str(out.node.width)}), {dt}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<coda_cute.Program {self.name} {self.fingerprint[:12]}>"
+
+
+def _walk(roots: list[Node]) -> list[Node]:
+    """Nodes reachable from ``roots`` in a deterministic post-order (children first)."""
+    order: list[Node] = []
+    seen: set[int] = set()
+    stack: list[tuple[Node, bool]] = [(r, False) for r in reversed(roots) if isinstance(r, Node)]
+    while stack:
+        node, expanded = stack.pop()
+        if id(node) in seen:
+            continue
+        if expanded:
+            seen.add(id(node))
+            order.append(node)
+        else:
+            stack.append((node, True))
+            stack.extend((a, False) for a in reversed(node.args) if id(a) not in seen)
+    return order
+
+
+def _encode(value: object) -> object:
+    if isinstance(value, float):
+        return {"f": value.hex()}
+    if isinstance(value, Fraction):
+        return f"{value.numerator}/{value.denominator}"
+    return value

@@ -1,0 +1,216 @@
+"""Reference interpreter: runs any program with plain PyTorch (CPU or CUDA).
+
+Ground truth for every kernel test and the CPU fallback.  ``acc = A @ B.T`` is computed
+in fp32 with TF32 off; every node is then evaluated in fp32 on whole tensors.
+
+Reduction outputs come back two ways:
+
+- finished (``result.outputs[name]``): shape (M,) for ``axis='row'`` (batch dims
+  restored), (width*N,) for ``axis='col'``; reduced directly from the full values;
+- per-tile partials (``result.partials[name]``), exactly what a kernel with CTA tile
+  (tile_m, tile_n) writes, fp32:
+    * row reductions: (T_n, M), T_n = ceil(width*N / (width*tile_n)); entry [t, m] reduces
+      row m over the columns of tile t;
+    * col reductions: (T_m, width*N), T_m = ceil(M / tile_m); entry [t, c] reduces column
+      c over the rows of tile t;
+    * logsumexp adds a leading dim of 2: [0] the running max, [1] sum(exp(x - max)).
+  ``finish(kind, partials)`` turns partials into the finished values.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import torch
+import torch.nn.functional as F
+
+from .arguments import Problem, bind
+from .program import Node, Program
+
+_IDENTITY = {"sum": 0.0, "sumsq": 0.0, "max": -math.inf, "maxabs": 0.0}
+
+# One rule per elementwise op (program.ELEMENTWISE); ints stay ints where the op allows.
+ELEMENTWISE_RULES = {
+    "add": torch.add,
+    "sub": torch.sub,
+    "mul": torch.mul,
+    "div": lambda x, y: torch.div(x.float(), y.float()),
+    "floordiv": lambda x, y: torch.div(x, y, rounding_mode="floor"),
+    "mod": torch.remainder,
+    "minimum": torch.minimum,
+    "maximum": torch.maximum,
+    "neg": torch.neg,
+    "abs": torch.abs,
+    "square": torch.square,
+    "exp": lambda x: torch.exp(x.float()),
+    "log": lambda x: torch.log(x.float()),
+    "sqrt": lambda x: torch.sqrt(x.float()),
+    "rsqrt": lambda x: torch.rsqrt(x.float()),
+    "tanh": lambda x: torch.tanh(x.float()),
+    "sigmoid": lambda x: torch.sigmoid(x.float()),
+    "relu": lambda x: torch.relu(x.float()),
+    "gelu": lambda x: F.gelu(x.float()),
+    "gelu_tanh": lambda x: F.gelu(x.float(), approximate="tanh"),
+    "silu": lambda x: F.silu(x.float()),
+    "lt": torch.lt,
+    "le": torch.le,
+    "gt": torch.gt,
+    "ge": torch.ge,
+    "eq": torch.eq,
+    "ne": torch.ne,
+    "and_": torch.logical_and,
+    "or_": torch.logical_or,
+    "not_": torch.logical_not,
+    "where": torch.where,
+}
+
+
+@dataclass
+class ReferenceResult:
+    outputs: dict = field(default_factory=dict)
+    partials: dict = field(default_factory=dict)
+    acc: torch.Tensor | None = None
+
+
+@contextmanager
+def _full_precision_matmul():
+    cuda_tf32 = torch.backends.cuda.matmul.allow_tf32
+    cudnn_tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = cuda_tf32
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+
+
+def evaluate(program: Program, a: torch.Tensor, b: torch.Tensor, operands: dict | None = None,
+             *, tile: tuple[int, int] = (128, 128)) -> ReferenceResult:
+    """Run ``program`` on ``acc = a @ b.T``; ``tile`` only shapes the reduction partials."""
+    problem = bind(program, a, b, operands)
+    with _full_precision_matmul():
+        acc = problem.a.float() @ problem.b.float().t()
+    values = _Evaluator(problem, acc).run()
+    result = ReferenceResult(acc=acc)
+    for out in program.outputs:
+        value = values[id(out.node)]
+        cols = problem.cols(out.node.width)
+        full = value.expand(problem.m, cols).float()
+        if not out.is_reduction:
+            stored = full.to(problem.storage_dtype(out.dtype))
+            result.outputs[out.name] = stored.reshape(*problem.batch_shape, cols)
+            continue
+        dim = 1 if out.axis == "row" else 0
+        finished = _reduce_dim(full, out.reduce, dim)
+        result.outputs[out.name] = finished.reshape(problem.batch_shape) if out.axis == "row" else finished
+        tile_len = tile[1] * out.node.width if out.axis == "row" else Fraction(tile[0])
+        if tile_len.denominator != 1:
+            raise ValueError(f"tile {tile} does not split into whole tiles of width {out.node.width}*N")
+        result.partials[out.name] = partials(full, out.reduce, out.axis, int(tile_len))
+    return result
+
+
+class _Evaluator:
+    def __init__(self, problem: Problem, acc: torch.Tensor):
+        self.p, self.acc, self.values = problem, acc, {}
+
+    def run(self) -> dict:
+        for node in self.p.program.nodes:
+            self.values[id(node)] = self.eval(node, [self.values[id(x)] for x in node.args])
+        return self.values
+
+    def full(self, node: Node, value: torch.Tensor) -> torch.Tensor:
+        """Expand a value to (M or 1, cols): width-carrying values get their full column count."""
+        cols = self.p.cols(node.width)
+        return value.expand(value.shape[0], cols)
+
+    def eval(self, node: Node, args: list[torch.Tensor]) -> torch.Tensor:
+        p, dev, op = self.p, self.acc.device, node.op
+        if op == "acc":
+            return self.acc
+        if op == "const":
+            value = node.attrs[0]
+            return torch.tensor(value, dtype=torch.int32 if node.dtype == "i32" else torch.float32, device=dev)
+        if op == "row":
+            return torch.arange(p.m, dtype=torch.int32, device=dev)[:, None]
+        if op == "col":
+            return torch.arange(p.cols(node.width), dtype=torch.int32, device=dev)[None, :]
+        if op == "load":
+            return self.load(node)
+        if op == "cast":
+            return args[0].to(p.storage_dtype(node.attrs[0])).float()
+        if op == "pair":
+            x = self.full(node.args[0], args[0])
+            return x[:, node.attrs[0]::2]
+        if op == "interleave":
+            even, odd = torch.broadcast_tensors(self.full(node.args[0], args[0]), self.full(node.args[1], args[1]))
+            return torch.stack([even, odd], dim=-1).reshape(even.shape[0], 2 * even.shape[1])
+        if op == "segreduce":
+            kind, seg = node.attrs
+            x = self.full(node.args[0], args[0]).float()
+            rows, cols = x.shape
+            per_segment = _reduce_dim(x.reshape(rows, cols // seg, seg), kind, 2)
+            return per_segment.repeat_interleave(seg, dim=1)
+        return ELEMENTWISE_RULES[op](*args)
+
+    def load(self, node: Node) -> torch.Tensor:
+        name = node.attrs[0]
+        op, value = self.p.program.operand(name), self.p.operands[name]
+        dev = self.acc.device
+        if op.kind == "scalar":
+            return torch.tensor(value, dtype=torch.float32, device=dev)
+        value = value.float()
+        if op.kind == "row":
+            return value[:, None]
+        if op.kind == "col":
+            return value[None, :]
+        if op.kind == "tile":
+            return value
+        rows, period = value.shape  # table: T[row % R, col % P]
+        r = torch.arange(self.p.m, device=dev) % rows
+        c = torch.arange(self.p.cols(op.width), device=dev) % period
+        return value[r[:, None], c[None, :]]
+
+
+def _reduce_dim(x: torch.Tensor, kind: str, dim: int) -> torch.Tensor:
+    if kind == "sum":
+        return x.sum(dim)
+    if kind == "sumsq":
+        return (x * x).sum(dim)
+    if kind == "max":
+        return x.amax(dim)
+    if kind == "maxabs":
+        return x.abs().amax(dim)
+    return torch.logsumexp(x, dim)
+
+
+def partials(full: torch.Tensor, kind: str, axis: str, tile_len: int) -> torch.Tensor:
+    """Per-tile partials of ``full`` (M, cols) in the layout documented above."""
+    x = full if axis == "row" else full.t()  # reduce along dim 1 of (items, reduced)
+    items, length = x.shape
+    tiles = -(-length // tile_len)
+    pad = tiles * tile_len - length
+    if kind == "logsumexp":
+        xp = F.pad(x, (0, pad), value=-math.inf).reshape(items, tiles, tile_len)
+        mx = xp.amax(2)
+        safe = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
+        sumexp = torch.exp(xp - safe[..., None]).sum(2)
+        return torch.stack([mx.t(), sumexp.t()]).contiguous()
+    xp = F.pad(x, (0, pad), value=_IDENTITY[kind]).reshape(items, tiles, tile_len)
+    return _reduce_dim(xp, kind, 2).t().contiguous()
+
+
+def finish(kind: str, parts: torch.Tensor) -> torch.Tensor:
+    """Combine per-tile partials (tiles on dim 0, or dim 1 for logsumexp) into final values."""
+    if kind in ("sum", "sumsq"):
+        return parts.sum(0)
+    if kind in ("max", "maxabs"):
+        return parts.amax(0)
+    mx, sumexp = parts[0], parts[1]
+    top = mx.amax(0)
+    safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    return safe + torch.log((sumexp * torch.exp(mx - safe)).sum(0))

@@ -1,0 +1,1 @@
+"""The library of ready epilogue programs (loaded by ``coda_cute.library``)."""

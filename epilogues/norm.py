@@ -1,0 +1,53 @@
+"""RMSNorm rewritten around GEMMs (CODA).
+
+Forward: the residual-add GEMM emits per-row sum-of-squares partials; the next GEMM
+(its weight pre-multiplied by gamma along K) applies 1/rms per row in its epilogue.
+Backward: the dgrad GEMM of the normalized input emits the per-row dot and the
+per-column dgamma as partials.
+"""
+
+import coda_cute as cc
+
+
+@cc.epilogue
+def residual_sumsq(acc, residual: cc.Tile):
+    """h = residual + A @ B.T (rounded to the stream dtype); also sum(h^2) per row, as partials."""
+    h = (acc + residual).to(cc.input_dtype)
+    return {"D": h, "sumsq": cc.row_sumsq(h)}
+
+
+@cc.epilogue
+def rms_scale(acc, rstd: cc.RowVec):
+    """D = rstd[row] * (A @ (W * gamma).T): RMSNorm applied after the GEMM, gamma folded into W."""
+    return acc * rstd
+
+
+@cc.epilogue
+def rms_scale_gamma(acc, rstd: cc.RowVec, gamma: cc.ColVec):
+    """D = rstd[row] * gamma[col] * (A @ B.T): a row scale and a column scale on one output."""
+    return acc * rstd * gamma
+
+
+@cc.epilogue
+def rmsnorm_bwd(acc, x: cc.Tile, rstd: cc.RowVec, gamma: cc.ColVec):
+    """RMSNorm backward statistics in the dgrad epilogue.
+
+    acc = dy, the gradient of the norm's output y = x * rstd * gamma (dgrad of the next GEMM).
+    D = dx_hat * rstd with dx_hat = dy * gamma; rowdot = sum(dx_hat * x_hat) per row;
+    dgamma = sum(dy * x_hat) per column, with x_hat = x * rstd.  Then
+    dx = D - x_hat * rstd * rowdot / N (a small elementwise finish).
+    """
+    x_hat = x * rstd
+    dx_hat = acc * gamma
+    return {
+        "D": dx_hat * rstd,
+        "rowdot": cc.row_sum(dx_hat * x_hat),
+        "dgamma": cc.col_sum(acc * x_hat),
+    }
+
+
+@cc.epilogue
+def qk_rmsnorm(acc, gamma: cc.ColVec, *, head_dim=128, eps=1e-6):
+    """Per-head RMSNorm of a q or k projection (QK-norm): a per-row reduction over each head."""
+    ms = cc.row_sumsq(acc, segment=head_dim) / head_dim
+    return acc * cc.rsqrt(ms + eps) * gamma
