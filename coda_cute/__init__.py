@@ -18,6 +18,7 @@ from .frontend import (
     rsqrt, sigmoid, silu, sqrt, square, tanh, where,
 )
 from .program import Program
-from .reference import evaluate as reference
+from .reference import evaluate
+from .runtime import Kernel, compile, run
 
 __version__ = "0.1.0"

@@ -67,7 +67,9 @@ class Expr:
     def __truediv__(self, o): return _call("div", self, o)
     def __rtruediv__(self, o): return _call("div", o, self)
     def __floordiv__(self, o): return _call("floordiv", self, o)
+    def __rfloordiv__(self, o): return _call("floordiv", o, self)
     def __mod__(self, o): return _call("mod", self, o)
+    def __rmod__(self, o): return _call("mod", o, self)
     def __neg__(self): return _call("neg", self)
     def __abs__(self): return _call("abs", self)
     def __pow__(self, p):
@@ -198,6 +200,10 @@ class Reduction:
 
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
     __truediv__ = __rtruediv__ = __neg__ = __lt__ = __gt__ = __le__ = __ge__ = _refuse
+    # every other way of using it as a value must refuse too, not fall back to Python's
+    # defaults (``r == 0`` would be False, ``if r:`` True, ``abs(r)`` a bare TypeError)
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __pow__ = __rpow__ = __abs__ = _refuse
+    __eq__ = __ne__ = __and__ = __rand__ = __or__ = __ror__ = __invert__ = __bool__ = to = _refuse
     __hash__ = None
 
 
@@ -277,7 +283,7 @@ def epilogue(fn=None, *, name: str | None = None, **constants):
     """Trace ``fn(acc, operand: Kind, ..., *, const=default)`` into a validated Program."""
     if fn is None:
         return lambda f: epilogue(f, name=name, **constants)
-    return _trace(fn, name or fn.__name__, constants)
+    return _trace(fn, fn.__name__ if name is None else name, constants)
 
 
 def _trace(fn, name: str, overrides: dict) -> EpilogueFunction:

@@ -40,6 +40,8 @@ STORAGE_DTYPES = ("f32", "bf16", "f16", "in")
 #: Column spaces a value may live in, as multiples of N (see module docstring).
 WIDTHS = (Fraction(1, 2), Fraction(1), Fraction(2))
 
+# keywords, soft keywords included, spelled out so every Python version accepts the same names
+_RESERVED = frozenset(keyword.kwlist) | {"match", "case", "type", "_"}
 _NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,47}\Z")
 _INT32 = (-(2**31), 2**31 - 1)
 
@@ -70,7 +72,7 @@ def check_name(name: object, what: str) -> str:
             f"{what} name {name!r} is not a safe identifier: expected a letter followed by "
             "up to 47 letters, digits or underscores"
         )
-    if keyword.iskeyword(name) or keyword.issoftkeyword(name):
+    if name in _RESERVED:
         raise ProgramError(f"{what} name {name!r} is a Python keyword; choose another name")
     return name
 
@@ -339,6 +341,11 @@ class Program:
             check_name(op.name, "operand")
             if op.kind not in OPERAND_KINDS:
                 raise ProgramError(f"operand {op.name!r}: unknown kind {op.kind!r}")
+            if (op.width is None) != (op.kind in ("row", "scalar")) or (op.width is not None and op.width not in WIDTHS):
+                raise ProgramError(
+                    f"operand {op.name!r} ({op.kind}) has width {width_str(op.width)}; per-row vectors and scalars "
+                    "have none, the others are N/2, N or 2N wide"
+                )
             if op.name in seen:
                 raise ProgramError(f"operand {op.name!r} is declared twice")
             seen[op.name] = "operand"

@@ -123,10 +123,11 @@ class _Evaluator:
             self.values[id(node)] = self.eval(node, [self.values[id(x)] for x in node.args])
         return self.values
 
-    def full(self, node: Node, value: torch.Tensor) -> torch.Tensor:
-        """Expand a value to (M or 1, cols): width-carrying values get their full column count."""
-        cols = self.p.cols(node.width)
-        return value.expand(value.shape[0], cols)
+    def full(self, value: torch.Tensor, width: Fraction) -> torch.Tensor:
+        """Expand a value to (M or 1, cols) of column space ``width``; row-constant values
+        (scalars, per-row vectors) broadcast into it."""
+        value = value.reshape(1, 1) if value.dim() == 0 else value
+        return value.expand(value.shape[0], self.p.cols(width))
 
     def eval(self, node: Node, args: list[torch.Tensor]) -> torch.Tensor:
         p, dev, op = self.p, self.acc.device, node.op
@@ -144,14 +145,15 @@ class _Evaluator:
         if op == "cast":
             return args[0].to(p.storage_dtype(node.attrs[0])).float()
         if op == "pair":
-            x = self.full(node.args[0], args[0])
+            x = self.full(args[0], node.args[0].width)
             return x[:, node.attrs[0]::2]
         if op == "interleave":
-            even, odd = torch.broadcast_tensors(self.full(node.args[0], args[0]), self.full(node.args[1], args[1]))
+            half = node.width / 2  # either side may be row-constant (a scalar or per-row value)
+            even, odd = torch.broadcast_tensors(self.full(args[0], half), self.full(args[1], half))
             return torch.stack([even, odd], dim=-1).reshape(even.shape[0], 2 * even.shape[1])
         if op == "segreduce":
             kind, seg = node.attrs
-            x = self.full(node.args[0], args[0]).float()
+            x = self.full(args[0], node.width).float()
             rows, cols = x.shape
             per_segment = _reduce_dim(x.reshape(rows, cols // seg, seg), kind, 2)
             return per_segment.repeat_interleave(seg, dim=1)

@@ -1,0 +1,203 @@
+"""Compiling emitted kernels with CuTe DSL, with or without a GPU.
+
+``compile_source`` imports the exact source ``emit`` produced (written to a file, so
+tracebacks and the DSL's source locations point at it) and calls ``cute.compile`` on fake
+tensors: dynamic M, N, K with N and K multiples of 8, 16-byte aligned bases.  The arch
+comes from the config (``--gpu-arch``), so this works on a CPU-only machine.  Artifacts
+(PTX, cubin, SASS via nvdisasm) are kept on request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+
+from .config import KernelConfig
+from .errors import UnsupportedError
+from .lower import CUTE_DTYPES, DTYPE_BYTES, lower, operand_dtype
+from .program import Program
+from .render import render
+
+
+@dataclass
+class CompiledKernel:
+    """A compiled kernel plus what it was built from."""
+
+    program: Program
+    config: KernelConfig
+    source: str
+    function: object  # the callable cute.compile returned
+    module: object  # the emitted module, imported
+    compile_seconds: float
+    artifacts: dict = field(default_factory=dict)  # 'ptx' / 'cubin' / 'sass' -> Path
+    report: str = ""  # ptxas' register / spill report, when asked for
+
+    @property
+    def registers(self) -> int | None:
+        found = re.findall(r"Used (\d+) registers", self.report)
+        return max(map(int, found)) if found else None
+
+    @property
+    def spill_bytes(self) -> int | None:
+        found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", self.report)
+        return sum(int(x) + int(y) for x, y in found) if found else None
+
+
+def import_source(source: str, directory: Path | None = None):
+    """Import emitted source as a module, from a file named after its hash."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    directory = Path(directory or tempfile.mkdtemp(prefix="coda_cute_src_"))
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"kernel_{digest}.py"
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(source)
+        os.replace(tmp, path)
+    name = f"coda_cute_kernel_{digest}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_arguments(program: Program, config: KernelConfig) -> list:
+    """Fake tensors / scalars for the host function's parameters, in its order.
+
+    Sizes are dynamic; rows may be padded (any 16-byte aligned row stride), so callers
+    can pass views into larger buffers.  One symbol per extent (M, N, K, N/2, 2N), so a
+    TVM-FFI call checks that tensors agree on it.
+    """
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    def dtype(name: str):
+        return getattr(cutlass, CUTE_DTYPES[name])
+
+    def matrix(dt: str, rows, cols, row_major: bool = True, align: int = 16):
+        per_16_bytes = 16 // DTYPE_BYTES[dt] if align == 16 else 1
+        lead = cute.sym_int64(divisibility=per_16_bytes)
+        stride = (lead, 1) if row_major else (1, lead)
+        return make_fake_tensor(dtype(dt), (rows, cols), stride, assumed_align=align)
+
+    m, n, k = cute.sym_int(), cute.sym_int(divisibility=8), cute.sym_int(divisibility=8)
+    cols = {Fraction(1, 2): cute.sym_int(divisibility=8), Fraction(1): n, Fraction(2): cute.sym_int(divisibility=8)}
+    args = [matrix(config.dtype, m, k, config.majors[0] == "k"), matrix(config.dtype, n, k, config.majors[1] == "k")]
+    for out in program.tile_outputs:
+        out_dtype = config.dtype if out.dtype in (None, "in") else out.dtype
+        args.append(matrix(out_dtype, m, cols[out.node.width]))
+    for out in program.reductions:
+        length = m if out.axis == "row" else cols[out.node.width]
+        if out.reduce == "logsumexp":
+            tiles = cute.sym_int()
+            args.append(make_fake_tensor(cutlass.Float32, (2, tiles, length),
+                                         (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4))
+        else:
+            args.append(matrix("f32", cute.sym_int(), length, align=4))
+    for op in program.operands:
+        if op.kind == "scalar":
+            args.append(cutlass.Float32(1.0))
+            continue
+        od = operand_dtype(config, op.name)
+        if op.kind == "tile":
+            args.append(matrix(od, m, cols[op.width]))
+        elif op.kind in ("row", "col"):
+            length = m if op.kind == "row" else cols[op.width]
+            args.append(make_fake_tensor(dtype(od), (length,), (1,), assumed_align=DTYPE_BYTES[od]))
+        else:
+            args.append(matrix(od, cute.sym_int(), cute.sym_int(), align=DTYPE_BYTES[od]))
+    return args
+
+
+def compile_source(source: str, program: Program, config: KernelConfig, *, keep: tuple[str, ...] = (),
+                   dump_dir: Path | None = None, source_dir: Path | None = None,
+                   tvm_ffi: bool = False, report: bool = False) -> CompiledKernel:
+    """``cute.compile`` the emitted ``source``; ``keep`` any of 'ptx', 'cubin', 'sass'.
+
+    With ``tvm_ffi`` the result takes torch tensors directly and launches on the current
+    torch stream (the runtime's path); without, cute tensors and an explicit stream.
+    ``report`` captures ptxas' register and spill report.
+    """
+    module = import_source(source, source_dir)
+    import cutlass.cute as cute
+    from cutlass.runtime import make_fake_stream
+
+    kernel_class = next(v for k, v in vars(module).items() if k.endswith("Kernel") and isinstance(v, type))
+    args = fake_arguments(program, config)
+    options = f"--gpu-arch {config.arch}"
+    stream = make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+    if tvm_ffi:
+        options += " --enable-tvm-ffi"
+    if keep:
+        dump_dir = Path(dump_dir or tempfile.mkdtemp(prefix="coda_cute_dump_"))
+        dump_dir.mkdir(parents=True, exist_ok=True)  # CuTe DSL fails if it does not exist
+        options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
+    if report:
+        options += " remarks{ptx}"
+    captured = io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+        function = cute.compile(kernel_class(), *args, stream, options=options)
+    seconds = time.perf_counter() - start
+    compiled = CompiledKernel(program, config, source, function, module, seconds, report=captured.getvalue())
+    if keep:
+        compiled.artifacts = _collect(dump_dir, keep)
+    return compiled
+
+
+def compile_program(program: Program, config: KernelConfig | None = None, **kwargs) -> CompiledKernel:
+    """Lower, render and compile ``program`` (see ``compile_source``)."""
+    config = config or KernelConfig()
+    source = render(lower(program, config), config)
+    return compile_source(source, program, config, **kwargs)
+
+
+def _collect(dump_dir: Path, keep: tuple[str, ...]) -> dict:
+    found = {}
+    for suffix, key in ((".ptx", "ptx"), (".cubin", "cubin")):
+        files = sorted(dump_dir.glob(f"*{suffix}"), key=lambda p: p.stat().st_mtime)
+        if files:
+            found[key] = files[-1]
+    if "sass" in keep:
+        if "cubin" not in found:
+            raise UnsupportedError(f"no cubin was kept in {dump_dir}; cannot disassemble")
+        found["sass"] = disassemble(found["cubin"])
+    return found
+
+
+def nvdisasm_path() -> str:
+    """nvdisasm from the nvidia-cuda-nvdisasm wheel, else from PATH."""
+    try:
+        import nvidia.cu13 as cu13  # the wheel's layout: nvidia/cu13/bin/nvdisasm
+
+        candidate = Path(next(iter(cu13.__path__))) / "bin" / "nvdisasm"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which("nvdisasm")
+    if not found:
+        raise UnsupportedError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (the 'test' extra) to get SASS")
+    return found
+
+
+def disassemble(cubin: Path) -> Path:
+    sass = cubin.with_suffix(".sass")
+    result = subprocess.run([nvdisasm_path(), "-c", str(cubin)], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise UnsupportedError(f"nvdisasm failed on {cubin.name}: {result.stderr.strip()[:500]}")
+    sass.write_text(result.stdout)
+    return sass

@@ -1,0 +1,83 @@
+"""Kernel configurations: what a generated kernel is specialized for, checked before rendering.
+
+A ``KernelConfig`` names everything that changes the emitted code besides the program:
+target arch and GPU (the SM count is baked into the persistent grid), input dtype,
+operand majors, tile and cluster shapes, and the dtypes of the program's tensor operands.
+Problem sizes M, N, K stay dynamic: one compile serves every shape with N and K
+multiples of 8 (16-byte rows for TMA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .errors import UnsupportedError
+
+#: Streaming multiprocessors per GPU model (the persistent grid is sized from it).
+GPUS = {"H100": 132, "H200": 132, "H800": 132, "H100-PCIe": 114, "H20": 78}
+ARCHS = ("sm_90a",)
+INPUT_DTYPES = ("bf16", "f16")
+TILE_SHAPES = ((128, 256), (128, 128), (128, 64), (64, 256), (64, 128))
+CLUSTER_SHAPES = ((1, 1), (2, 1), (1, 2))
+SMEM_BYTES = {"sm_90a": 232448}  # dynamic shared memory per CTA on Hopper (227 KB)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """How to build one kernel.  ``majors`` is A's then B's major dimension: 'k' or 'm' for A
+    (A is (M, K)), 'k' or 'n' for B (B is (N, K)); "kk" is the usual ``x @ W.T``."""
+
+    arch: str = "sm_90a"
+    gpu: str = "H200"
+    dtype: str = "bf16"
+    majors: str = "kk"
+    tile: tuple[int, int] = (128, 256)
+    cluster: tuple[int, int] = (2, 1)
+    raster_along_m: bool = True
+    swizzle: int = 1
+    operand_dtypes: tuple[tuple[str, str], ...] = field(default=())
+
+    def check(self) -> "KernelConfig":
+        """Raise UnsupportedError naming the first field this generator cannot build."""
+        if self.arch not in ARCHS:
+            raise UnsupportedError(f"arch {self.arch!r} is not supported; supported: {', '.join(ARCHS)}")
+        if self.gpu not in GPUS:
+            raise UnsupportedError(f"GPU {self.gpu!r} is unknown; known: {', '.join(GPUS)}")
+        if self.dtype not in INPUT_DTYPES:
+            raise UnsupportedError(f"input dtype {self.dtype!r} is not supported; expected bf16 or f16")
+        if len(self.majors) != 2 or self.majors[0] not in "km" or self.majors[1] not in "kn":
+            raise UnsupportedError(
+                f"majors {self.majors!r}: expected A's major ('k' or 'm') then B's ('k' or 'n'), e.g. 'kk'"
+            )
+        if tuple(self.tile) not in TILE_SHAPES:
+            raise UnsupportedError(f"tile {self.tile} is not supported; choose one of {TILE_SHAPES}")
+        if tuple(self.cluster) not in CLUSTER_SHAPES:
+            raise UnsupportedError(f"cluster {self.cluster} is not supported; choose one of {CLUSTER_SHAPES}")
+        if self.swizzle < 1:
+            raise UnsupportedError(f"swizzle {self.swizzle} must be >= 1")
+        return self
+
+    @property
+    def sm_count(self) -> int:
+        return GPUS[self.gpu]
+
+    def with_(self, **changes) -> "KernelConfig":
+        return replace(self, **changes)
+
+    def key(self) -> tuple:
+        """Hashable identity, in the order the emitted header prints it."""
+        return (self.arch, self.gpu, self.dtype, self.majors, tuple(self.tile), tuple(self.cluster),
+                self.raster_along_m, self.swizzle, tuple(self.operand_dtypes))
+
+    def describe(self) -> str:
+        return (f"{self.arch} {self.gpu} ({self.sm_count} SMs), {self.dtype} inputs, majors {self.majors}, "
+                f"tile {self.tile[0]}x{self.tile[1]}, cluster {self.cluster[0]}x{self.cluster[1]}")
+
+
+def parse_pair(text: str, what: str) -> tuple[int, int]:
+    """'128x256' -> (128, 256), with an error naming ``what``."""
+    try:
+        a, b = (int(x) for x in text.lower().split("x"))
+        return a, b
+    except ValueError:
+        raise UnsupportedError(f"{what} {text!r}: expected two integers like 128x256") from None

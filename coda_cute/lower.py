@@ -1,0 +1,477 @@
+"""Lowering a validated program to the context of the sm_90a template.
+
+The epilogue works on one column pair of one row at a time: accumulator columns
+(col, col + 1) of row ``row``, held by one thread (``acc[pair0]``, ``acc[pair1]``).
+Every program value becomes a few scalar *lanes* there, by its width:
+
+    N/2 wide  -> 1 lane  (the pair)                 row-constant -> 1 lane
+    N wide    -> 2 lanes (col, col + 1)             2N wide      -> 4 lanes (2col .. 2col + 3)
+
+so pairs()/interleave() only rename lanes and move no data.  Each node is emitted as
+one assignment per lane, commented with the program value it computes.
+
+Names built from user input get fixed prefixes the template never uses itself:
+``in_<operand>``, ``out_<output>``, ``smem_in_/smem_out_``, ``view_in_/view_out_``,
+``tma_in_/tma_out_``, ``red_<reduction>`` and ``v_<value>``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from .config import SMEM_BYTES, KernelConfig
+from .errors import UnsupportedError
+from .program import Node, Program, width_str
+
+HALF, ONE, TWO = Fraction(1, 2), Fraction(1), Fraction(2)
+CUTE_DTYPES = {"bf16": "BFloat16", "f16": "Float16", "f32": "Float32"}
+DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4}
+EPI_N = 32
+NUM_LANES = {None: 1, HALF: 1, ONE: 2, TWO: 4}
+_IDENTITY = {"sum": "0.0", "sumsq": "0.0", "max": '-float("inf")', "maxabs": "0.0"}
+
+# How each elementwise op is written in CuTe DSL, on lane values (names or literals).
+ELEMENTWISE_CODE = {
+    "add": "{0} + {1}",
+    "sub": "{0} - {1}",
+    "mul": "{0} * {1}",
+    "div": "{0} / {1}",
+    "floordiv": "({0} - ((({0} % {1}) + {1}) % {1})) // {1}",  # floor semantics, as in Python
+    "mod": "(({0} % {1}) + {1}) % {1}",
+    "minimum": "cute.math.min({0}, {1})",
+    "maximum": "cute.math.max({0}, {1})",
+    "neg": "-{0}",
+    "abs": "cute.math.abs({0})",
+    "square": "{0} * {0}",
+    "exp": "cute.math.exp({0}, fastmath=True)",
+    "log": "cute.math.log({0}, fastmath=True)",
+    "sqrt": "cute.math.sqrt({0})",
+    "rsqrt": "cute.math.rsqrt({0})",
+    "tanh": "cute.math.tanh({0})",
+    "sigmoid": "1.0 / (1.0 + cute.math.exp(-{0}, fastmath=True))",
+    "relu": "cute.math.max({0}, 0.0)",
+    "gelu": "0.5 * {0} * (1.0 + cute.math.erf({0} * 0.7071067811865476))",
+    "gelu_tanh": "0.5 * {0} * (1.0 + cute.math.tanh(0.7978845608028654 * ({0} + 0.044715 * {0} * {0} * {0})))",
+    "silu": "{0} / (1.0 + cute.math.exp(-{0}, fastmath=True))",
+    "lt": "{0} < {1}",
+    "le": "{0} <= {1}",
+    "gt": "{0} > {1}",
+    "ge": "{0} >= {1}",
+    "eq": "{0} == {1}",
+    "ne": "{0} != {1}",
+    "and_": "{0} & {1}",
+    "or_": "{0} | {1}",
+    "not_": "~{0}",
+    "where": "{t}(cutlass.select_({0}, {1}, {2}))",
+}
+
+
+@dataclass
+class Context:
+    """Everything the template needs; built by ``lower``."""
+
+    program: Program
+    cfg: dict
+    class_name: str
+    host_params: list = field(default_factory=list)
+    kernel_params: list = field(default_factory=list)
+    kernel_param_decls: list = field(default_factory=list)
+    tile_outputs: list = field(default_factory=list)
+    tile_inputs: list = field(default_factory=list)
+    vectors: list = field(default_factory=list)
+    views: list = field(default_factory=list)
+    body: list = field(default_factory=list)
+    tile_prologue: list = field(default_factory=list)
+    subtile_prologue: list = field(default_factory=list)
+    subtile_compute_end: list = field(default_factory=list)
+    subtile_epilogue: list = field(default_factory=list)
+    tile_epilogue: list = field(default_factory=list)
+    col_reductions: list = field(default_factory=list)
+    col_scratch_elems: int = 0
+    helpers: set = field(default_factory=set)  # module-level helper functions the body calls
+    epi_load_bytes: int = 0
+    call_signature: str = ""
+
+
+def operand_dtype(config: KernelConfig, name: str) -> str:
+    return dict(config.operand_dtypes).get(name, config.dtype)
+
+
+def lower(program: Program, config: KernelConfig) -> Context:
+    """Check that ``program`` can run as an sm_90a epilogue under ``config``; build the context."""
+    config.check()
+    _check_supported(program, config)
+    tile_m, tile_n = config.tile
+    ctx = Context(program=program, cfg={}, class_name=_class_name(program.name))
+    _declare_tensors(ctx, program, config)
+    stages, ab_stages = _stages(ctx, config)
+    ctx.cfg = dict(
+        arch=config.arch, gpu=config.gpu, sm_count=config.sm_count,
+        ab_dtype=CUTE_DTYPES[config.dtype],
+        a_major=config.majors[0].upper(), b_major=config.majors[1].upper(),
+        a_layout="ROW_MAJOR" if config.majors[0] == "k" else "COL_MAJOR",
+        b_layout="ROW_MAJOR" if config.majors[1] == "k" else "COL_MAJOR",
+        tile_m=tile_m, tile_n=tile_n, tile_k=64, cluster_m=config.cluster[0], cluster_n=config.cluster[1],
+        ab_stages=ab_stages, epi_n=EPI_N, epi_stages=stages,
+        raster_along_m=config.raster_along_m, swizzle=config.swizzle,
+        producer_regs=40, consumer_regs=232,
+    )
+    _Body(ctx, program, config).emit_all()
+    names = ["a (M, K)", "b (N, K)"] + [p["doc"] for p in ctx.host_params] + ["stream"]
+    ctx.call_signature = ", ".join(names)
+    return ctx
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_supported(program: Program, config: KernelConfig) -> None:
+    for out in program.reductions:
+        if out.axis == "col" and out.node.width != ONE:
+            raise UnsupportedError(
+                f"output {out.name!r}: column reductions of {width_str(out.node.width)}-wide values are not "
+                "lowered to sm_90a yet (N-wide values are)"
+            )
+        if out.axis == "col" and out.reduce == "logsumexp":
+            raise UnsupportedError(f"output {out.name!r}: column logsumexp is not lowered to sm_90a yet (row logsumexp is)")
+    for node in program.nodes:
+        if node.op == "segreduce":
+            raise UnsupportedError(
+                f"{node.describe()}: segment reductions run in the reference interpreter but are not lowered to sm_90a yet"
+            )
+    for out in program.tile_outputs:
+        dtype = _storage(out.dtype, config)
+        cols = int(EPI_N * out.node.width)
+        if cols * DTYPE_BYTES[dtype] < 16:
+            raise UnsupportedError(f"output {out.name!r}: a {cols}-column subtile of {dtype} is under TMA's 16 bytes")
+
+
+def _storage(dtype: str | None, config: KernelConfig) -> str:
+    return config.dtype if dtype in (None, "in") else dtype
+
+
+def _class_name(name: str) -> str:
+    return "".join(part[:1].upper() + part[1:] for part in name.split("_") if part) + "Kernel"
+
+
+# ----------------------------------------------------------------------------- tensors and smem
+def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> None:
+    tile_m, tile_n = config.tile
+    for out in program.tile_outputs:
+        dtype = _storage(out.dtype, config)
+        cols = int(EPI_N * out.node.width)
+        ctx.tile_outputs.append(dict(
+            label=f"{out.name} ({width_str(out.node.width)} wide, {dtype})", width=out.node.width,
+            gmem=f"out_{out.name}", smem=f"smem_out_{out.name}", tma=f"tma_out_{out.name}",
+            view=f"view_out_{out.name}", cute_dtype=f"cutlass.{CUTE_DTYPES[dtype]}", dtype=dtype, cols=cols,
+        ))
+        ctx.host_params.append(dict(name=f"out_{out.name}", annotation="cute.Tensor",
+                                    doc=f"out_{out.name} (M, {width_str(out.node.width)}) {dtype}"))
+    for out in program.reductions:
+        lead = "2, " if out.reduce == "logsumexp" else ""
+        shape = f"({lead}ceil(N / TILE_N), M)" if out.axis == "row" else f"({lead}ceil(M / TILE_M), N)"
+        ctx.host_params.append(dict(name=f"out_{out.name}", annotation="cute.Tensor",
+                                    doc=f"out_{out.name} {shape} f32 partials"))
+        ctx.kernel_params.append(f"out_{out.name}")
+        ctx.kernel_param_decls.append(f"out_{out.name}: cute.Tensor")
+        if out.axis == "col":
+            ctx.col_reductions.append(out.name)
+    for op in program.operands:
+        name = f"in_{op.name}"
+        if op.kind == "scalar":
+            ctx.host_params.append(dict(name=name, annotation="cutlass.Float32", doc=f"{name} float"))
+            ctx.kernel_params.append(name)
+            ctx.kernel_param_decls.append(f"{name}: cutlass.Float32")
+            continue
+        dtype = operand_dtype(config, op.name)
+        shape = {"row": "(M,)", "col": f"({width_str(op.width)},)", "tile": f"(M, {width_str(op.width)})",
+                 "table": "(R, P)"}[op.kind]
+        ctx.host_params.append(dict(name=name, annotation="cute.Tensor", doc=f"{name} {shape} {dtype}"))
+        if op.kind == "tile":
+            ctx.tile_inputs.append(dict(
+                label=f"{op.name} ({width_str(op.width)} wide, {dtype})", width=op.width, gmem=name,
+                smem=f"smem_in_{op.name}", tma=f"tma_in_{op.name}", view=f"view_in_{op.name}",
+                cute_dtype=f"cutlass.{CUTE_DTYPES[dtype]}", dtype=dtype, cols=int(EPI_N * op.width),
+            ))
+            continue
+        ctx.kernel_params.append(name)
+        ctx.kernel_param_decls.append(f"{name}: cute.Tensor")
+        if op.kind in ("row", "col"):
+            is_row = op.kind == "row"
+            elems = tile_m if is_row else int(tile_n * op.width)
+            base = "row0" if is_row else {HALF: "col0 // 2", ONE: "col0", TWO: "2 * col0"}[op.width]
+            length = "M" if is_row else {HALF: "N // 2", ONE: "N", TWO: "2 * N"}[op.width]
+            threads = 128 * (tile_m // 64)
+            ctx.vectors.append(dict(
+                name=op.name, gmem=name, smem=f"smem_in_{op.name}", view=f"view_in_{op.name}", is_row=is_row,
+                width=op.width, elems=elems, base=base, length=length, loads_per_thread=-(-elems // threads),
+            ))
+    ctx.epi_load_bytes = sum(tile_m * t["cols"] * DTYPE_BYTES[t["dtype"]] for t in ctx.tile_inputs)
+    if ctx.col_reductions:
+        ctx.col_scratch_elems = len(ctx.col_reductions) * (tile_m // 16) * EPI_N
+    # views through accumulator coordinates (see acc_view_of_ring / acc_view_of_vector)
+    for t in ctx.tile_outputs + ctx.tile_inputs:
+        for lane in _view_lanes(t["width"]):
+            ctx.views.append(dict(name=t["view"] + lane,
+                                  expr=f"acc_view_of_ring({t['smem']}, {t['cols']}, {lane[1:] or 0})"))
+    for v in ctx.vectors:
+        for lane in ([""] if v["is_row"] else _view_lanes(v["width"])):
+            ctx.views.append(dict(name=v["view"] + lane,
+                                  expr=f"acc_view_of_vector({v['smem']}, {v['is_row']}, {v['elems']}, {lane[1:] or 0})"))
+
+
+def _view_lanes(width: Fraction) -> list[str]:
+    """Suffixes of the views one operand needs: 2N-wide values need one view per column of a pair."""
+    return ["_0", "_1"] if width == TWO else [""]
+
+
+def _stages(ctx: Context, config: KernelConfig) -> tuple[int, int]:
+    """EPI_STAGES and AB_STAGES that fit the SM's shared memory."""
+    tile_m, tile_n = config.tile
+    subtiles = tile_n // EPI_N
+    ring_bytes = sum(tile_m * t["cols"] * DTYPE_BYTES[t["dtype"]] for t in ctx.tile_outputs + ctx.tile_inputs)
+    fixed = 2048 + 4 * sum(v["elems"] for v in ctx.vectors) + 4 * ctx.col_scratch_elems
+    ab_bytes = (tile_m + tile_n) * 64 * 2
+    budget = SMEM_BYTES[config.arch]
+    for epi_stages in (4, 2):
+        if subtiles % epi_stages:
+            continue
+        ab_stages = (budget - fixed - 1024 * (2 + len(ctx.tile_outputs) + len(ctx.tile_inputs))
+                     - epi_stages * ring_bytes) // ab_bytes
+        if ab_stages >= 4 or (epi_stages == 2 and ab_stages >= 2):
+            return epi_stages, min(ab_stages, 8)
+    raise UnsupportedError(
+        f"program {ctx.program.name!r} with tile {tile_m}x{tile_n} needs more shared memory than "
+        f"{config.arch} has ({ring_bytes} bytes per epilogue stage); choose a smaller tile"
+    )
+
+
+# ----------------------------------------------------------------------------- the per-pair body
+class _Body:
+    def __init__(self, ctx: Context, program: Program, config: KernelConfig):
+        self.ctx, self.program, self.config = ctx, program, config
+        self.lanes: dict[int, list[str]] = {}
+        self.taken: set[str] = set()
+        self.lines = ctx.body
+        self.out_nodes = {id(o.node) for o in program.outputs}
+
+    def name(self, base: str) -> str:
+        base = f"v_{base}"
+        name, i = base, 1
+        while name in self.taken:
+            i += 1
+            name = f"{base}{i}"
+        self.taken.add(name)
+        return name
+
+    def emit_all(self) -> None:
+        for node in self.program.nodes:
+            self.emit(node)
+        for out in self.program.tile_outputs:
+            self.store(out)
+        for i, out in enumerate(self.program.reductions):
+            (self.row_reduction if out.axis == "row" else self.col_reduction)(out, i)
+        # the element's global coordinates, only where the body reads them
+        text = "\n".join(self.lines)
+        uses = {name: re.search(rf"\b{name}\b", text) is not None for name in ("row", "col")}
+        head = []
+        if uses["row"] or uses["col"]:
+            head.append("row_in_tile, col_in_tile = tCcAcc[pair0]")
+        if uses["row"]:
+            head.append("row = row0 + row_in_tile")
+        if uses["col"]:
+            head.append("col = col0 + col_in_tile  # accumulator column of the pair's first element")
+        self.lines[:0] = head
+
+    # -- values
+    def emit(self, node: Node) -> None:
+        lanes = self.values(node)
+        count = NUM_LANES[node.width]
+        if node.op == "const" or (node.op in ("acc", "pair", "interleave") and not node.hint):
+            self.lanes[id(node)] = lanes  # literals and lane renames need no code
+            return
+        base = node.hint or (node.attrs[0] if node.op == "load" else f"{node.op.rstrip('_')}{len(self.taken)}")
+        names = [self.name(base if count == 1 else f"{base}_{k}") for k in range(count)]
+        comment = f"# {node.hint} = {node.expand()}" if node.hint else f"# {node.expand()}"
+        self.lines.append(comment)
+        for name, code in zip(names, lanes):
+            self.lines.append(f"{name} = {code}")
+        self.lanes[id(node)] = names
+
+    def values(self, node: Node) -> list[str]:
+        op, args = node.op, [self.lanes[id(a)] for a in node.args]
+        if op == "acc":
+            return ["acc[pair0]", "acc[pair1]"]
+        if op == "const":
+            return [_literal(node.attrs[0])]
+        if op == "row":
+            return ["row"]
+        if op == "col":
+            return {HALF: ["col // 2"], ONE: ["col", "col + 1"],
+                    TWO: ["2 * col", "2 * col + 1", "2 * col + 2", "2 * col + 3"]}[node.width]
+        if op == "load":
+            return self.load(node)
+        if op == "cast":
+            target = CUTE_DTYPES[_storage(node.attrs[0], self.config)]
+            return [x if target == "Float32" else f"cutlass.Float32(cutlass.{target}({x}))" for x in args[0]]
+        if op == "pair":
+            x, k = args[0], node.attrs[0]
+            return [x[k]] if len(x) == 2 else [x[k], x[2 + k]]
+        if op == "interleave":
+            a, b = (_broadcast(x, NUM_LANES[node.width] // 2) for x in args)
+            return [lane for pair in zip(a, b) for lane in pair]
+        return self.elementwise(node, args)
+
+    def elementwise(self, node: Node, args: list[list[str]]) -> list[str]:
+        code = ELEMENTWISE_CODE[node.op]
+        numbers = [a for a in node.args if a.dtype != "bool"]
+        floating = node.dtype == "f32" or node.op == "div" or any(a.dtype == "f32" for a in numbers)
+        kind = "cutlass.Int32" if node.dtype == "i32" else "cutlass.Float32"
+        out = []
+        for k in range(NUM_LANES[node.width]):
+            lane_args = []
+            for arg_node, lanes in zip(node.args, args):
+                value = lanes[k] if len(lanes) > 1 else lanes[0]
+                if floating and arg_node.dtype == "i32":
+                    value = f"cutlass.Float32({value})"  # CuTe math needs one numeric type
+                lane_args.append(value)
+            out.append(code.format(*lane_args, t=kind))
+        return out
+
+    def load(self, node: Node) -> list[str]:
+        op = self.program.operand(node.attrs[0])
+        name = f"in_{op.name}"
+        if op.kind == "scalar":
+            return [name]
+        if op.kind == "table":
+            cols = self.values(Node("col", (), (), "i32", op.width))
+            return [f"cutlass.Float32({name}[(row % {name}.shape[0], ({c}) % {name}.shape[1])])" for c in cols]
+        view = f"view_in_{op.name}"
+        wrap = "cutlass.Float32({})" if op.kind == "tile" else "{}"
+        if op.kind == "row":
+            return [f"{view}[pair0]"]
+        if op.width == HALF:
+            return [wrap.format(f"{view}[pair0]")]
+        if op.width == ONE:
+            return [wrap.format(f"{view}[pair{e}]") for e in (0, 1)]
+        return [wrap.format(f"{view}_{q}[pair{e}]") for e in (0, 1) for q in (0, 1)]
+
+    # -- outputs
+    def store(self, out) -> None:
+        lanes = _broadcast(self.lanes[id(out.node)], NUM_LANES[out.node.width])
+        dtype = CUTE_DTYPES[_storage(out.dtype, self.config)]
+        view = f"view_out_{out.name}"
+        targets = {HALF: [f"{view}[pair0]"], ONE: [f"{view}[pair0]", f"{view}[pair1]"],
+                   TWO: [f"{view}_{q}[pair{e}]" for e in (0, 1) for q in (0, 1)]}[out.node.width]
+        self.lines.append(f"# store {out.name}")
+        for target, value in zip(targets, lanes):
+            self.lines.append(f"{target} = cutlass.{dtype}({value})")
+
+    def _valid_cols(self, width: Fraction) -> list[str]:
+        """Per lane: is the lane's accumulator column inside N (reductions skip padding)."""
+        return {HALF: ["col < N"], ONE: ["col < N", "col + 1 < N"],
+                TWO: ["col < N", "col < N", "col + 1 < N", "col + 1 < N"]}[width]
+
+    def row_reduction(self, out, index: int) -> None:
+        ctx, reg, kind = self.ctx, f"red_{out.name}", out.reduce
+        lanes = self.lanes[id(out.node)]
+        valid = self._valid_cols(out.node.width)
+        self.lines.append(f"# {out.name}: per-row {kind} of {out.node.describe()}, this thread's share")
+        ctx.helpers.add("where")
+        if kind == "logsumexp":
+            ctx.helpers.add("logsumexp")
+            ctx.tile_prologue += [f"{reg}_max = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)",
+                                  f"{reg}_max.fill(-float(\"inf\"))",
+                                  f"{reg}_sum = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)",
+                                  f"{reg}_sum.fill(0.0)"]
+            for lane, ok in zip(lanes, valid):
+                self.lines.append(
+                    f"{reg}_max[m_block * 2 + h], {reg}_sum[m_block * 2 + h] = logsumexp_update("
+                    f"{reg}_max[m_block * 2 + h], {reg}_sum[m_block * 2 + h], where({ok}, {lane}, -float(\"inf\")))"
+                )
+            ctx.tile_epilogue += [
+                f"# {out.name}: combine the 4 threads of each row, write this tile's (max, sum of exp)",
+                "for m_block in cutlass.range_constexpr(mma_m):",
+                "    for h in cutlass.range_constexpr(2):",
+                f"        row_max, row_sum = {reg}_max[m_block * 2 + h], {reg}_sum[m_block * 2 + h]",
+                "        for offset in cutlass.range_constexpr(1, 3):",
+                "            row_max, row_sum = logsumexp_merge(row_max, row_sum,"
+                " cute.arch.shuffle_sync_bfly(row_max, offset=offset), cute.arch.shuffle_sync_bfly(row_sum, offset=offset))",
+                "        row = row0 + tCcAcc[((0, h, 0), m_block, 0)][0]",
+                "        if ctidx % 4 == 0 and row < M:",
+                f"            out_{out.name}[(0, tile_n, row)] = row_max",
+                f"            out_{out.name}[(1, tile_n, row)] = row_sum",
+            ]
+            return
+        identity = _IDENTITY[kind]
+        ctx.tile_prologue += [f"{reg} = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)", f"{reg}.fill({identity})"]
+        for lane, ok in zip(lanes, valid):
+            term = _reduce_term(kind, lane)
+            self.lines.append(f"{reg}[m_block * 2 + h] = {_combine(kind, f'{reg}[m_block * 2 + h]', f'where({ok}, {term}, {identity})')}")
+        combine = _combine(kind, "total", "cute.arch.shuffle_sync_bfly(total, offset=offset)")
+        ctx.tile_epilogue += [
+            f"# {out.name}: combine the 4 threads of each row, write this tile's partial",
+            "for m_block in cutlass.range_constexpr(mma_m):",
+            "    for h in cutlass.range_constexpr(2):",
+            f"        total = {reg}[m_block * 2 + h]",
+            "        for offset in cutlass.range_constexpr(1, 3):",
+            f"            total = {combine}",
+            "        row = row0 + tCcAcc[((0, h, 0), m_block, 0)][0]",
+            "        if ctidx % 4 == 0 and row < M:",
+            f"            out_{out.name}[(tile_n, row)] = total",
+        ]
+
+    def col_reduction(self, out, index: int) -> None:
+        ctx, reg, kind = self.ctx, f"red_{out.name}", out.reduce
+        slot = ctx.col_reductions.index(out.name)
+        identity = _IDENTITY[kind]
+        lanes = self.lanes[id(out.node)]
+        warps = self.config.tile[0] // 16  # consumer warps: 16 rows of a tile each
+        offset = slot * warps * EPI_N
+        ctx.helpers.add("where")
+        ctx.subtile_prologue += [f"{reg} = cute.make_rmem_tensor((EPI_N // 4,), cutlass.Float32)", f"{reg}.fill({identity})"]
+        self.lines.append(f"# {out.name}: per-column {kind} of {out.node.describe()}, this thread's rows")
+        for e, lane in enumerate(lanes):
+            term = _reduce_term(kind, lane)
+            slot_expr = f"{reg}[(j % (EPI_N // 8)) * 2 + {e}]"
+            self.lines.append(f"{slot_expr} = {_combine(kind, slot_expr, f'where(row < M, {term}, {identity})')}")
+        combine = _combine(kind, "total", "cute.arch.shuffle_sync_bfly(total, offset=offset)")
+        ctx.subtile_compute_end += [
+            f"# {out.name}: combine the 8 threads of each column in a warp, park the warp's sums in smem",
+            "for k in cutlass.range_constexpr(EPI_N // 4):",
+            f"    total = {reg}[k]",
+            *(f"    total = {combine.replace('offset=offset', f'offset={o}')}" for o in (4, 8, 16)),
+            "    if ctidx % 32 < 4:",
+            "        col_in_subtile = tCcAcc[((k % 2, 0, subtile * (EPI_N // 8) + k // 2), 0, 0)][1] - subtile * EPI_N",
+            f"        col_scratch[{offset} + (ctidx // 32) * EPI_N + col_in_subtile] = total",
+        ]
+        gather = _combine(kind, "total", f"col_scratch[{offset} + warp * EPI_N + ctidx]")
+        ctx.subtile_epilogue += [
+            f"# {out.name}: combine the warps, write this tile's partial for the subtile's columns",
+            "if ctidx < EPI_N:",
+            f"    total = {identity}",
+            f"    for warp in cutlass.range_constexpr({warps}):",
+            f"        total = {gather}",
+            "    out_col = col0 + subtile * EPI_N + ctidx",
+            "    if out_col < N:",
+            f"        out_{out.name}[(tile_m, out_col)] = total",
+        ]
+
+
+def _broadcast(lanes: list[str], count: int) -> list[str]:
+    return lanes if len(lanes) == count else lanes * count
+
+
+def _reduce_term(kind: str, value: str) -> str:
+    return {"sum": value, "max": value, "sumsq": f"{value} * {value}", "maxabs": f"cute.math.abs({value})"}[kind]
+
+
+def _combine(kind: str, a: str, b: str) -> str:
+    return f"{a} + {b}" if kind in ("sum", "sumsq") else f"cute.math.max({a}, {b})"
+
+
+def _literal(value) -> str:
+    if isinstance(value, float) and math.isinf(value):
+        return 'float("inf")' if value > 0 else '-float("inf")'
+    return repr(value)

@@ -1,0 +1,57 @@
+"""Rendering: the lowered context through the Jinja template into one standalone Python module."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import jinja2
+
+from . import __version__
+from .config import KernelConfig
+from .library import resource_dir
+from .lower import Context, lower
+from .program import Program
+
+TEMPLATES = {"sm_90a": "sm90_gemm.py.j2"}
+
+
+@lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(resource_dir("templates"))),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def template_source(arch: str) -> str:
+    """The template text a kernel for ``arch`` is rendered from (hashed into cache keys)."""
+    return (resource_dir("templates") / TEMPLATES[arch]).read_text()
+
+
+def emit_command(program: Program, config: KernelConfig) -> str:
+    """The CLI line that regenerates this kernel (printed in its header)."""
+    parts = [f"coda-cute emit {program.name} --arch {config.arch} --gpu {config.gpu} --dtype {config.dtype}",
+             f"--majors {config.majors} --tile {config.tile[0]}x{config.tile[1]}",
+             f"--cluster {config.cluster[0]}x{config.cluster[1]}"]
+    parts += [f"--operand-dtype {name}={dtype}" for name, dtype in config.operand_dtypes]
+    return " ".join(parts)
+
+
+def render(ctx: Context, config: KernelConfig) -> str:
+    template = environment().get_template(TEMPLATES[config.arch])
+    return template.render(
+        version=__version__,
+        command=emit_command(ctx.program, config),
+        program_listing=ctx.program.describe().splitlines(),
+        **vars(ctx),
+    )
+
+
+def emit(program: Program, config: KernelConfig | None = None) -> str:
+    """The CuTe-DSL source of ``program`` under ``config``: one readable, standalone module."""
+    config = config or KernelConfig()
+    return render(lower(program, config), config)

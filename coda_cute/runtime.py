@@ -1,0 +1,220 @@
+"""Running programs on PyTorch tensors.
+
+    kernel = coda_cute.compile(program)           # or program(a, b, ...) directly
+    out = kernel(a, w, residual=r)                # CUDA tensors: the generated kernel
+
+CUDA tensors run the generated kernel for the GPU they live on; every argument is checked
+first (``check_kernel_arguments``) and a tensor the kernel cannot take is rejected with
+an ArgumentError, never silently computed another way.  CPU tensors run the reference
+interpreter (the documented CPU fallback).  Outputs are allocated unless passed in
+``out={name: tensor}`` (views into larger buffers are fine: only the row stride must be
+16-byte aligned).  Reductions come back finished; ``return_partials=True`` adds the
+per-tile partials.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+from . import reference
+from .arguments import Problem, bind, short_dtype
+from .config import GPUS, KernelConfig
+from .errors import ArgumentError, UnsupportedError
+from .program import Program, width_str
+
+_GPU_NAMES = {"H200": "H200", "H100 PCIe": "H100-PCIe", "H100": "H100", "H800": "H800", "H20": "H20"}
+
+
+@dataclass
+class Launch:
+    """What the last call ran (tests use it to prove the generated kernel ran)."""
+
+    path: str  # "kernel" or "reference"
+    config: KernelConfig | None
+    key: str | None
+
+
+class Kernel:
+    """``program`` compiled for a family of configurations, callable on torch tensors."""
+
+    def __init__(self, program: Program, *, tile: tuple[int, int] | None = None,
+                 cluster: tuple[int, int] | None = None, gpu: str | None = None):
+        self.program = program
+        self.tile, self.cluster, self.gpu = tile, cluster, gpu
+        self.launches = 0
+        self.last: Launch | None = None
+
+    def config_for(self, problem: Problem) -> KernelConfig:
+        """The configuration this call needs (specializes on dtypes, majors and GPU)."""
+        a, b = problem.a, problem.b
+        majors = ("k" if a.stride(1) == 1 else "m") + ("k" if b.stride(1) == 1 else "n")
+        operand_dtypes = tuple(
+            (name, short_dtype(t.dtype)) for name, t in problem.operands.items() if isinstance(t, torch.Tensor)
+        )
+        tile, cluster = self.tile, self.cluster
+        if tile is None:
+            tile, cluster = default_tile(problem)
+        return KernelConfig(
+            gpu=self.gpu or gpu_model(a.device), dtype=short_dtype(a.dtype), majors=majors,
+            tile=tuple(tile), cluster=tuple(cluster or (1, 1)), operand_dtypes=operand_dtypes,
+        ).check()
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: dict | None = None,
+                 return_partials: bool = False, **operands):
+        problem = bind(self.program, a, b, operands)
+        if a.device.type != "cuda":
+            result = reference.evaluate(self.program, a, b, operands, tile=self.tile or (128, 256))
+            self.last = Launch("reference", None, None)
+            return _package(self.program, result.outputs, result.partials if return_partials else None, out)
+        config = self.config_for(problem)
+        check_kernel_arguments(problem, config)
+        outputs, partials = allocate_outputs(problem, config, out or {})
+        from .cache import get_kernel
+
+        entry = get_kernel(self.program, config)
+        args = [problem.a, problem.b]
+        args += [outputs[o.name] for o in self.program.tile_outputs]
+        args += [partials[o.name] for o in self.program.reductions]
+        args += [problem.operands[op.name] for op in self.program.operands]
+        with torch.cuda.device(a.device):
+            entry.function(*args)
+        self.launches += 1
+        self.last = Launch("kernel", config, entry.key)
+        finished = dict(outputs)
+        for o in self.program.reductions:
+            value = reference.finish(o.reduce, partials[o.name])
+            finished[o.name] = value.reshape(problem.batch_shape) if o.axis == "row" else value
+        for o in self.program.tile_outputs:
+            finished[o.name] = finished[o.name].reshape(*problem.batch_shape, finished[o.name].shape[-1])
+        return _package(self.program, finished, partials if return_partials else None, None)
+
+
+def _package(program: Program, outputs: dict, partials: dict | None, out: dict | None):
+    if out:  # CPU fallback with caller-provided outputs: copy into them
+        for name, tensor in out.items():
+            tensor.copy_(outputs[name].reshape(tensor.shape))
+    if partials is not None:
+        return outputs, partials
+    if len(program.outputs) == 1:
+        return outputs[program.outputs[0].name]
+    return outputs
+
+
+def gpu_model(device: torch.device) -> str:
+    """Map the CUDA device name to a KernelConfig GPU (the SM count is baked into kernels)."""
+    props = torch.cuda.get_device_properties(device)
+    if (props.major, props.minor) != (9, 0):
+        raise UnsupportedError(f"{props.name} is sm_{props.major}{props.minor}; coda-cute kernels target sm_90a (Hopper)")
+    for needle, model in _GPU_NAMES.items():
+        if needle in props.name and GPUS[model] == props.multi_processor_count:
+            return model
+    for model, sms in GPUS.items():
+        if sms == props.multi_processor_count:
+            return model
+    raise UnsupportedError(f"{props.name} with {props.multi_processor_count} SMs is not a known Hopper GPU")
+
+
+def default_tile(problem: Problem) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Tile and cluster for a problem: 128x256 with a 2-CTA cluster for big outputs."""
+    widest = max([o.node.width for o in problem.program.tile_outputs] +
+                 [op.width for op in problem.program.operands if op.kind == "tile"] + [Fraction(1)])
+    if problem.n <= 128 or widest > 1:
+        return (128, 128), (2, 1) if problem.m > 128 else (1, 1)
+    return (128, 256), ((2, 1) if problem.m > 128 else (1, 1))
+
+
+# ----------------------------------------------------------------------------- checks
+def _row_stride_ok(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def check_kernel_arguments(problem: Problem, config: KernelConfig) -> None:
+    """Reject, with the operand named, any tensor the sm_90a kernel cannot read or write."""
+    a, b = problem.a, problem.b
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        raise ArgumentError(f"A and B are {a.dtype}; the GPU kernels take bfloat16 or float16 inputs")
+    for label, t, dims in (("A", a, "(M, K)"), ("B", b, "(N, K)")):
+        if t.device.type != "cuda":
+            raise ArgumentError(f"{label} is on {t.device}; the kernel needs CUDA tensors")
+        unit = [d for d in (0, 1) if t.stride(d) == 1]
+        if not unit:
+            raise ArgumentError(f"{label} {dims} has strides {t.stride()}: one dimension must be contiguous")
+        other = 1 - unit[-1]
+        if (t.stride(other) * t.element_size()) % 16:
+            raise ArgumentError(
+                f"{label} {dims} = {tuple(t.shape)} with strides {t.stride()}: rows must start 16-byte aligned "
+                f"(for a contiguous {label}, {'K' if unit[-1] == 1 else dims[1]} must be a multiple of 8)"
+            )
+        if not _aligned(t):
+            raise ArgumentError(f"{label}'s data pointer is not 16-byte aligned (offset view?)")
+    if problem.k % 8:
+        raise ArgumentError(f"K={problem.k} must be a multiple of 8 (16-byte rows for TMA)")
+    for op in problem.program.operands:
+        t = problem.operands[op.name]
+        if op.kind == "tile":
+            if not _row_stride_ok(t) or not _aligned(t):
+                raise ArgumentError(
+                    f"operand {op.name!r} (a Tile, {tuple(t.shape)}, strides {t.stride()}) must have unit column "
+                    "stride, 16-byte aligned rows and a 16-byte aligned data pointer"
+                )
+
+
+def allocate_outputs(problem: Problem, config: KernelConfig, given: dict) -> tuple[dict, dict]:
+    """Output tiles (caller's or new) and the fp32 partial buffers of the reductions."""
+    program = problem.program
+    names = {o.name for o in program.outputs}
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise ArgumentError(f"out= names unknown output(s) {unknown}; outputs are {sorted(names)}")
+    outputs, partials = {}, {}
+    for o in program.tile_outputs:
+        cols = problem.cols(o.node.width)
+        dtype = problem.storage_dtype(o.dtype)
+        if (cols * torch.tensor([], dtype=dtype).element_size()) % 16:
+            raise ArgumentError(
+                f"output {o.name!r} is {width_str(o.node.width)} = {cols} columns of {dtype}: rows must be a "
+                f"multiple of 16 bytes for TMA stores (N={problem.n})"
+            )
+        if o.name in given:
+            t = given[o.name]
+            if t.shape[-1] != cols or t.numel() != problem.m * cols or t.dtype != dtype:
+                raise ArgumentError(f"out[{o.name!r}] must be ({problem.m}, {cols}) {dtype}, got {tuple(t.shape)} {t.dtype}")
+            t = t.reshape(problem.m, cols) if t.dim() != 2 else t
+            if t.device != problem.a.device or not _row_stride_ok(t) or not _aligned(t):
+                raise ArgumentError(f"out[{o.name!r}] must be on {problem.a.device} with unit column stride and 16-byte aligned rows")
+        else:
+            t = torch.empty(problem.m, cols, dtype=dtype, device=problem.a.device)
+        outputs[o.name] = t
+    tm, tn = config.tile
+    for o in program.reductions:
+        if o.name in given:
+            raise ArgumentError(f"out[{o.name!r}]: reductions are returned, not written into caller tensors")
+        tiles = -(-problem.m // tm) if o.axis == "col" else -(-problem.n // tn)
+        length = problem.m if o.axis == "row" else problem.cols(o.node.width)
+        shape = (tiles, length) if o.reduce != "logsumexp" else (2, tiles, length)
+        partials[o.name] = torch.empty(shape, dtype=torch.float32, device=problem.a.device)
+    return outputs, partials
+
+
+_KERNELS: dict = {}
+_LOCK = threading.Lock()
+
+
+def compile(program: Program, **options) -> Kernel:  # noqa: A001 - mirrors torch.compile
+    """A callable running ``program``; options: tile=(m, n), cluster=(m, n), gpu=name."""
+    return Kernel(program, **options)
+
+
+def run(program: Program, a: torch.Tensor, b: torch.Tensor, **kwargs):
+    """Run ``program`` on ``acc = a @ b.T`` with the default configuration."""
+    with _LOCK:
+        kernel = _KERNELS.setdefault(program.fingerprint, Kernel(program))
+    return kernel(a, b, **kwargs)

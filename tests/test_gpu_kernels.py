@@ -1,0 +1,171 @@
+"""Generated kernels against the reference interpreter, on a Hopper GPU.
+
+Every library program (and random compositions, see test_gpu_random.py) runs through
+the generated sm_90a kernel and is compared element by element with the reference:
+|out - ref| <= atol + rtol * |ref| per element and a relative-norm bound per output.
+Outputs live inside larger NaN-poisoned buffers whose guard bands must stay untouched;
+NaN left inside an output means an element was never written.  Each check asserts that
+the kernel (not the CPU fallback) ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import coda_cute as cc
+from coda_cute import library
+from coda_cute.errors import UnsupportedError
+from coda_cute.program import Program
+from coda_cute.runtime import Kernel
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) GPU")]
+
+# (atol, rtol) per stored dtype: one rounding of the output plus fp32 accumulation-order noise.
+TOLERANCE = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3), torch.float32: (1e-3, 1e-3)}
+# finished reductions are fp32 sums of up to N terms of size ~1
+REDUCTION_TOLERANCE = (2e-3, 2e-3)
+# (M, N, K): ragged against every tile, M != N, K down to 16, M = 1
+SHAPES = [(300, 528, 200), (1, 272, 16), (1000, 784, 136), (129, 1040, 520)]
+GUARD = 8  # poisoned rows/columns around every output
+
+
+def make_inputs(program: Program, m: int, n: int, k: int, dtype, gen: torch.Generator, majors: str = "kk"):
+    """Random A, B and operands; distinct random vectors so a swapped broadcast shows up."""
+    scale = k ** -0.25  # acc ~ N(0, 1)
+    a = (torch.randn(m, k, generator=gen) * scale).to(dtype)
+    b = (torch.randn(n, k, generator=gen) * scale).to(dtype)
+    if majors[0] == "m":
+        a = a.t().contiguous().t()
+    if majors[1] == "n":
+        b = b.t().contiguous().t()
+    operands = {}
+    for op in program.operands:
+        cols = int(n * op.width) if op.width is not None else None
+        if op.kind == "scalar":
+            operands[op.name] = float(torch.rand((), generator=gen) + 0.5)
+        elif op.kind == "row":
+            operands[op.name] = torch.rand(m, generator=gen) + 0.5
+        elif op.kind == "col":
+            operands[op.name] = (torch.rand(cols, generator=gen) + 0.5).to(dtype)
+        elif op.kind == "tile":
+            operands[op.name] = torch.randn(m, cols, generator=gen).to(dtype)
+        else:
+            operands[op.name] = torch.randn(37, 64, generator=gen)
+    if "target" in operands:  # class indices for cross_entropy_stats
+        operands["target"] = torch.randint(0, n, (m,), generator=gen).float()
+    return a.cuda(), b.cuda(), {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in operands.items()}
+
+
+def poisoned_outputs(program: Program, m: int, n: int, dtype):
+    """Each tile output as a view into a NaN-filled buffer with GUARD rows/cols around it."""
+    views, buffers = {}, {}
+    for out in program.tile_outputs:
+        cols = int(n * out.node.width)
+        out_dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}.get(out.dtype, dtype)
+        buf = torch.full((m + 2 * GUARD, cols + 2 * GUARD), float("nan"), dtype=out_dtype, device="cuda")
+        buffers[out.name] = buf
+        views[out.name] = buf[GUARD:GUARD + m, GUARD:GUARD + cols]
+    return views, buffers
+
+
+def check_guard(name: str, buf: torch.Tensor, m: int, cols: int):
+    inside = torch.zeros_like(buf, dtype=torch.bool)
+    inside[GUARD:GUARD + m, GUARD:GUARD + cols] = True
+    assert torch.isnan(buf[~inside]).all(), f"{name}: the kernel wrote outside the output (guard band touched)"
+    assert not torch.isnan(buf[inside]).any(), f"{name}: some output elements were never written"
+
+
+def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float):
+    got, want = got.float(), want.float()
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err = (got - want).abs()
+    bad = err > atol + rtol * want.abs()
+    if bad.any():
+        idx = tuple(bad.nonzero()[0].tolist())
+        pytest.fail(f"{name}: {int(bad.sum())} of {want.numel()} elements off; first at {idx}: "
+                    f"got {got[idx].item():.6g}, want {want[idx].item():.6g}; max err {err.max().item():.3g}")
+    rel = (got - want).norm() / want.norm().clamp_min(1e-12)
+    assert rel < max(rtol, 1e-6), f"{name}: relative norm error {rel:.3g}"
+
+
+def run_and_compare(program: Program, m: int, n: int, k: int, dtype=torch.bfloat16, majors="kk",
+                    tile=None, cluster=None, seed=0):
+    gen = torch.Generator().manual_seed(seed * 7919 + m * 31 + n * 17 + k)
+    a, b, operands = make_inputs(program, m, n, k, dtype, gen, majors)
+    kernel = Kernel(program, tile=tile, cluster=cluster)
+    views, buffers = poisoned_outputs(program, m, n, dtype)
+    result = kernel(a, b, out=views, return_partials=True, **operands)
+    torch.cuda.synchronize()
+    assert kernel.last.path == "kernel" and kernel.launches == 1, "the generated kernel did not run"
+    outputs, partials = result
+    ref = cc.evaluate(program, a, b, operands, tile=kernel.last.config.tile)
+    for out in program.tile_outputs:
+        cols = int(n * out.node.width)
+        check_guard(out.name, buffers[out.name], m, cols)
+        atol, rtol = TOLERANCE[ref.outputs[out.name].dtype]
+        assert_close(out.name, outputs[out.name], ref.outputs[out.name], atol, rtol)
+    for out in program.reductions:
+        atol, rtol = REDUCTION_TOLERANCE
+        assert_close(f"{out.name} (partials)", partials[out.name], ref.partials[out.name], atol, rtol)
+        assert_close(out.name, outputs[out.name], ref.outputs[out.name], atol, rtol)
+
+
+def _gpu_programs():
+    names = []
+    for name, program in library.programs().items():
+        try:
+            from coda_cute.config import KernelConfig
+            from coda_cute.lower import lower
+
+            lower(program, KernelConfig())
+            names.append(name)
+        except UnsupportedError:
+            continue
+    return names
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", _gpu_programs())
+def test_library_program(name, shape):
+    program = library.get(name)
+    if name == "rope_qkv":  # rotate some columns, pass the rest through
+        program = program.with_constants(rotary_cols=shape[1] // 2)
+    run_and_compare(program, *shape)
+
+
+@pytest.mark.parametrize("majors", ["kk", "mk", "kn", "mn"])
+def test_majors(majors):
+    run_and_compare(library.get("bias_gelu"), 300, 528, 200, majors=majors)
+
+
+@pytest.mark.parametrize("tile,cluster", [((128, 256), (2, 1)), ((128, 128), (1, 2)), ((64, 256), (1, 1)),
+                                          ((128, 64), (2, 1)), ((64, 128), (1, 1))])
+def test_tiles(tile, cluster):
+    run_and_compare(library.get("residual_sumsq"), 777, 1040, 264, tile=tile, cluster=cluster)
+
+
+def test_fp16_inputs():
+    run_and_compare(library.get("swiglu_save"), 300, 528, 200, dtype=torch.float16)
+
+
+def test_runs_on_current_stream():
+    program = library.get("bias_gelu")
+    gen = torch.Generator().manual_seed(5)
+    a, b, ops = make_inputs(program, 512, 512, 256, torch.bfloat16, gen)
+    stream = torch.cuda.Stream()
+    kernel = Kernel(program)
+    kernel(a, b, **ops)  # compile outside the stream
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # keeps the stream busy: a launch elsewhere would finish first
+        out = kernel(a, b, **ops)
+    assert not stream.query(), "the kernel did not wait behind the stream's earlier work"
+    stream.synchronize()
+    ref = cc.evaluate(program, a, b, ops).outputs["D"]
+    assert_close("D", out, ref, *TOLERANCE[torch.bfloat16])
