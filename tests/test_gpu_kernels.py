@@ -141,7 +141,7 @@ def test_library_program(name, shape):
 
 @pytest.mark.parametrize("majors", ["kk", "mk", "kn", "mn"])
 def test_majors(majors):
-    run_and_compare(library.get("bias_gelu"), 300, 528, 200, majors=majors)
+    run_and_compare(library.get("bias_gelu"), 304, 528, 200, majors=majors)  # M-major A needs M % 8 == 0
 
 
 @pytest.mark.parametrize("tile,cluster", [((128, 256), (2, 1)), ((128, 128), (1, 2)), ((64, 256), (1, 1)),
