@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -177,6 +178,8 @@ def _line(row, contenders):
 
 
 def _commit():
+    if os.environ.get("CODA_COMMIT"):
+        return os.environ["CODA_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
