@@ -127,7 +127,7 @@ def main():
     rows = []
     for d in args.d:
         for name, program, a, b, operands, fn in ops_for(d, args.m):
-            kernel = cc.compile(program)
+            kernel = cc.Kernel(program)
             t0 = time.perf_counter()
             ours = kernel(a, b, **operands)
             torch.cuda.synchronize()

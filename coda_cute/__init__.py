@@ -19,6 +19,6 @@ from .frontend import (
 )
 from .program import Program
 from .reference import evaluate
-from .runtime import Kernel, compile, run
+from .runtime import Kernel, run
 
 __version__ = "0.1.0"

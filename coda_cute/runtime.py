@@ -208,11 +208,6 @@ _KERNELS: dict = {}
 _LOCK = threading.Lock()
 
 
-def compile(program: Program, **options) -> Kernel:  # noqa: A001 - mirrors torch.compile
-    """A callable running ``program``; options: tile=(m, n), cluster=(m, n), gpu=name."""
-    return Kernel(program, **options)
-
-
 def run(program: Program, a: torch.Tensor, b: torch.Tensor, **kwargs):
     """Run ``program`` on ``acc = a @ b.T`` with the default configuration."""
     with _LOCK:
