@@ -1,24 +1,29 @@
 """coda-cute: GEMM + epilogue programs written in Python, emitted as readable CuTe-DSL kernels.
 
-Layers, in the order a program flows through them:
+Layers, in the order a program flows through them (one module each):
 
 - ``frontend``   the user's contract: ``@epilogue`` functions of named operands;
 - ``program``    the validated program (a typed DAG) and its fingerprint;
 - ``arguments``  checks of runtime tensors against a program (shared by every consumer);
 - ``reference``  the pure-PyTorch interpreter: ground truth and CPU fallback;
-- ``library``    the ready programs in ``epilogues/``;
-- ``cli``        ``coda-cute list | show | emit``.
+- ``config``     what a kernel is specialized for (arch, GPU, dtypes, majors, tile, cluster);
+- ``lower``      program + config -> the template's context (per-lane epilogue code);
+- ``render``     the Jinja template (``templates/``) -> one standalone CuTe-DSL module;
+- ``compile``    ``cute.compile`` of that module, with or without a GPU, plus PTX/SASS;
+- ``cache``      compiled kernels in memory and on disk, keyed by everything that matters;
+- ``runtime``    ``Kernel(program)(a, b, ...)`` on torch tensors, with argument checks;
+- ``library``    the ready programs in ``epilogues/``;  ``cli``: the ``coda-cute`` command.
 """
 
-from .errors import ArgumentError, CodaError, ProgramError, UnsupportedError
-from .frontend import (
+__version__ = "0.1.0"
+
+from .errors import ArgumentError, CodaError, ProgramError, UnsupportedError  # noqa: E402
+from .frontend import (  # noqa: E402
     ColVec, Expr, Reduction, RowVec, Scalar, Table, Tile, bf16, clamp, col_logsumexp, col_max,
     col_maxabs, col_sum, col_sumsq, epilogue, exp, f16, f32, gelu, gelu_tanh, input_dtype, interleave, log,
     maximum, minimum, pairs, reduce, relu, row_logsumexp, row_max, row_maxabs, row_sum, row_sumsq,
     rsqrt, sigmoid, silu, sqrt, square, tanh, where,
 )
-from .program import Program
-from .reference import evaluate
-from .runtime import Kernel, run
-
-__version__ = "0.1.0"
+from .program import Program  # noqa: E402
+from .reference import evaluate  # noqa: E402
+from .runtime import Kernel, run  # noqa: E402
