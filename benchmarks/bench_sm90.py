@@ -96,6 +96,16 @@ def ops_for(d: int, m: int):
     return ops
 
 
+def _variants(program):
+    """Other tile / cluster / schedule choices, to pick the defaults from."""
+    out = []
+    for tile, cluster, schedule in (((128, 256), (1, 2), "cooperative"), ((64, 256), (2, 1), "pingpong"),
+                                    ((64, 256), (1, 2), "pingpong"), ((128, 128), (2, 1), "cooperative")):
+        label = f"{tile[0]}x{tile[1]} c{cluster[0]}x{cluster[1]} {schedule}"
+        out.append((label, cc.Kernel(program, tile=tile, cluster=cluster, schedule=schedule)))
+    return out
+
+
 def _res_sumsq(a, b, residual):
     hh = a @ b.t() + residual
     return {"D": hh, "sumsq": hh.float().pow(2).sum(-1)}
@@ -120,6 +130,7 @@ def main():
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--compile-modes", nargs="*", default=["default"])
     parser.add_argument("--out", default="bench.json")
+    parser.add_argument("--variants", action="store_true", help="also time other tile/cluster/schedule choices")
     args = parser.parse_args()
     from triton.testing import do_bench
 
@@ -137,6 +148,8 @@ def main():
             gemm_only = lambda: a @ b.t()  # noqa: E731
             contenders = {"coda-cute": lambda: kernel(a, b, **operands), "cuBLAS GEMM alone": gemm_only,
                           "torch eager": lambda: fn(a, b, **operands)}
+            for label, variant in _variants(program) if args.variants else ():
+                contenders[f"coda-cute {label}"] = lambda k=variant: k(a, b, **operands)
             for mode in args.compile_modes:
                 compiled = torch.compile(fn, dynamic=False, mode=None if mode == "default" else mode)
                 compiled(a, b, **operands)

@@ -19,6 +19,7 @@ ARCHS = ("sm_90a",)
 INPUT_DTYPES = ("bf16", "f16")
 TILE_SHAPES = ((128, 256), (128, 128), (128, 64), (64, 256), (64, 128))
 CLUSTER_SHAPES = ((1, 1), (2, 1), (1, 2))
+SCHEDULES = ("cooperative", "pingpong")
 SMEM_BYTES = {"sm_90a": 232448}  # dynamic shared memory per CTA on Hopper (227 KB)
 
 
@@ -33,6 +34,7 @@ class KernelConfig:
     majors: str = "kk"
     tile: tuple[int, int] = (128, 256)
     cluster: tuple[int, int] = (2, 1)
+    schedule: str = "cooperative"
     raster_along_m: bool = True
     swizzle: int = 1
     operand_dtypes: tuple[tuple[str, str], ...] = field(default=())
@@ -53,6 +55,12 @@ class KernelConfig:
             raise UnsupportedError(f"tile {self.tile} is not supported; choose one of {TILE_SHAPES}")
         if tuple(self.cluster) not in CLUSTER_SHAPES:
             raise UnsupportedError(f"cluster {self.cluster} is not supported; choose one of {CLUSTER_SHAPES}")
+        if self.schedule not in SCHEDULES:
+            raise UnsupportedError(f"schedule {self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+        if self.schedule == "pingpong" and self.tile[0] != 64:
+            raise UnsupportedError(
+                f"tile {self.tile}: ping-pong gives each warpgroup a whole tile, so the tile has 64 rows (64x128, 64x256)"
+            )
         if self.swizzle < 1:
             raise UnsupportedError(f"swizzle {self.swizzle} must be >= 1")
         return self
@@ -67,11 +75,11 @@ class KernelConfig:
     def key(self) -> tuple:
         """Hashable identity, in the order the emitted header prints it."""
         return (self.arch, self.gpu, self.dtype, self.majors, tuple(self.tile), tuple(self.cluster),
-                self.raster_along_m, self.swizzle, tuple(self.operand_dtypes))
+                self.schedule, self.raster_along_m, self.swizzle, tuple(self.operand_dtypes))
 
     def describe(self) -> str:
         return (f"{self.arch} {self.gpu} ({self.sm_count} SMs), {self.dtype} inputs, majors {self.majors}, "
-                f"tile {self.tile[0]}x{self.tile[1]}, cluster {self.cluster[0]}x{self.cluster[1]}")
+                f"tile {self.tile[0]}x{self.tile[1]}, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}")
 
 
 def parse_pair(text: str, what: str) -> tuple[int, int]:

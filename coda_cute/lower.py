@@ -91,7 +91,12 @@ class Context:
     tile_epilogue: list = field(default_factory=list)
     col_reductions: list = field(default_factory=list)
     col_scratch_elems: int = 0
+    segments: list = field(default_factory=list)  # registers of segment reductions
     helpers: set = field(default_factory=set)  # module-level helper functions the body calls
+
+    @property
+    def fast_tiles(self) -> bool:
+        return any(t["fast"] for t in self.tile_outputs + self.tile_inputs)
     epi_load_bytes: int = 0
     call_signature: str = ""
 
@@ -117,7 +122,7 @@ def lower(program: Program, config: KernelConfig) -> Context:
         tile_m=tile_m, tile_n=tile_n, tile_k=64, cluster_m=config.cluster[0], cluster_n=config.cluster[1],
         ab_stages=ab_stages, epi_n=EPI_N, epi_stages=stages,
         raster_along_m=config.raster_along_m, swizzle=config.swizzle,
-        producer_regs=40, consumer_regs=232,
+        producer_regs=40, consumer_regs=232, pingpong=config.schedule == "pingpong",
     )
     _Body(ctx, program, config).emit_all()
     names = ["a (M, K)", "b (N, K)"] + [p["doc"] for p in ctx.host_params] + ["stream"]
@@ -136,15 +141,32 @@ def _check_supported(program: Program, config: KernelConfig) -> None:
         if out.axis == "col" and out.reduce == "logsumexp":
             raise UnsupportedError(f"output {out.name!r}: column logsumexp is not lowered to sm_90a yet (row logsumexp is)")
     for node in program.nodes:
-        if node.op == "segreduce":
+        if node.op != "segreduce":
+            continue
+        seg, width = node.attrs[1], node.args[0].width
+        acc_cols = seg / width
+        if acc_cols.denominator != 1 or acc_cols % 8 or (config.tile[1] * width) % seg:
             raise UnsupportedError(
-                f"{node.describe()}: segment reductions run in the reference interpreter but are not lowered to sm_90a yet"
+                f"{node.describe()}: a segment of {seg} columns ({width_str(width)} wide) must span a multiple of 8 "
+                f"accumulator columns and divide the tile's {config.tile[1] * width} columns"
             )
+        for inner in _subgraph(node.args[0]):
+            if inner.op == "segreduce" or (inner.op == "load" and program.operand(inner.attrs[0]).kind == "tile"):
+                raise UnsupportedError(
+                    f"{node.describe()}: a segment reduction runs over the whole tile before the subtiles stream "
+                    f"through smem, so it cannot read {inner.describe()} (a tile operand or another segment reduction)"
+                )
     for out in program.tile_outputs:
         dtype = _storage(out.dtype, config)
         cols = int(EPI_N * out.node.width)
         if cols * DTYPE_BYTES[dtype] < 16:
             raise UnsupportedError(f"output {out.name!r}: a {cols}-column subtile of {dtype} is under TMA's 16 bytes")
+
+
+def _subgraph(root: Node) -> list[Node]:
+    from .program import _walk
+
+    return _walk([root])
 
 
 def _storage(dtype: str | None, config: KernelConfig) -> str:
@@ -165,6 +187,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
             label=f"{out.name} ({width_str(out.node.width)} wide, {dtype})", width=out.node.width,
             gmem=f"out_{out.name}", smem=f"smem_out_{out.name}", tma=f"tma_out_{out.name}",
             view=f"view_out_{out.name}", cute_dtype=f"cutlass.{CUTE_DTYPES[dtype]}", dtype=dtype, cols=cols,
+            fast=out.node.width == ONE and DTYPE_BYTES[dtype] == 2, xfer=f"r2s_out_{out.name}", frag=f"frag_out_{out.name}",
         ))
         ctx.host_params.append(dict(name=f"out_{out.name}", annotation="cute.Tensor",
                                     doc=f"out_{out.name} (M, {width_str(out.node.width)}) {dtype}"))
@@ -193,6 +216,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
                 label=f"{op.name} ({width_str(op.width)} wide, {dtype})", width=op.width, gmem=name,
                 smem=f"smem_in_{op.name}", tma=f"tma_in_{op.name}", view=f"view_in_{op.name}",
                 cute_dtype=f"cutlass.{CUTE_DTYPES[dtype]}", dtype=dtype, cols=int(EPI_N * op.width),
+                fast=op.width == ONE and DTYPE_BYTES[dtype] == 2, xfer=f"s2r_in_{op.name}", frag=f"frag_in_{op.name}",
             ))
             continue
         ctx.kernel_params.append(name)
@@ -202,7 +226,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
             elems = tile_m if is_row else int(tile_n * op.width)
             base = "row0" if is_row else {HALF: "col0 // 2", ONE: "col0", TWO: "2 * col0"}[op.width]
             length = "M" if is_row else {HALF: "N // 2", ONE: "N", TWO: "2 * N"}[op.width]
-            threads = 128 * (tile_m // 64)
+            threads = 128 if config.schedule == "pingpong" else 128 * (tile_m // 64)
             ctx.vectors.append(dict(
                 name=op.name, gmem=name, smem=f"smem_in_{op.name}", view=f"view_in_{op.name}", is_row=is_row,
                 width=op.width, elems=elems, base=base, length=length, loads_per_thread=-(-elems // threads),
@@ -212,6 +236,8 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
         ctx.col_scratch_elems = len(ctx.col_reductions) * (tile_m // 16) * EPI_N
     # views through accumulator coordinates (see acc_view_of_ring / acc_view_of_vector)
     for t in ctx.tile_outputs + ctx.tile_inputs:
+        if t["fast"]:
+            continue  # N-wide tiles go through stmatrix / ldmatrix fragments instead
         for lane in _view_lanes(t["width"]):
             ctx.views.append(dict(name=t["view"] + lane,
                                   expr=f"acc_view_of_ring({t['smem']}, {t['cols']}, {lane[1:] or 0})"))
@@ -249,12 +275,11 @@ def _stages(ctx: Context, config: KernelConfig) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------- the per-pair body
 class _Body:
-    def __init__(self, ctx: Context, program: Program, config: KernelConfig):
+    def __init__(self, ctx: Context, program: Program, config: KernelConfig, lines: list | None = None):
         self.ctx, self.program, self.config = ctx, program, config
         self.lanes: dict[int, list[str]] = {}
         self.taken: set[str] = set()
-        self.lines = ctx.body
-        self.out_nodes = {id(o.node) for o in program.outputs}
+        self.lines = ctx.body if lines is None else lines
 
     def name(self, base: str) -> str:
         base = f"v_{base}"
@@ -272,7 +297,10 @@ class _Body:
             self.store(out)
         for i, out in enumerate(self.program.reductions):
             (self.row_reduction if out.axis == "row" else self.col_reduction)(out, i)
-        # the element's global coordinates, only where the body reads them
+        self.add_coordinates()
+
+    def add_coordinates(self) -> None:
+        """Prepend the element's global coordinates, only where the body reads them."""
         text = "\n".join(self.lines)
         uses = {name: re.search(rf"\b{name}\b", text) is not None for name in ("row", "col")}
         head = []
@@ -321,7 +349,61 @@ class _Body:
         if op == "interleave":
             a, b = (_broadcast(x, NUM_LANES[node.width] // 2) for x in args)
             return [lane for pair in zip(a, b) for lane in pair]
+        if op == "segreduce":
+            return [self.segment_reduction(node)] * NUM_LANES[node.width]
         return self.elementwise(node, args)
+
+    def segment_reduction(self, node: Node) -> str:
+        """Reduce over each column segment of the whole tile before the subtiles; return the lookup."""
+        kind, seg = node.attrs
+        width = node.args[0].width
+        index = len(self.ctx.segments)
+        reg = f"seg{index}"
+        per_tile = int(self.config.tile[1] * width) // seg
+        groups = int(seg / width) // 8  # 8-column groups j of the accumulator per segment
+        inner = _Body(self.ctx, self.program, self.config, lines=[])
+        for sub in _subgraph(node.args[0]):
+            inner.emit(sub)
+        inner.add_coordinates()
+        lanes = inner.lanes[id(node.args[0])]
+        slot = f"{reg}[(m_block * 2 + h) * {per_tile} + j // {groups}]"
+        ctx = self.ctx
+        ctx.segments.append(reg)
+        lines = [f"# {node.describe()}: per row and column segment of {seg}, over the whole tile"]
+        if kind == "logsumexp":
+            ctx.helpers.update({"where", "logsumexp"})
+            lines += [f"{reg}_max = cute.make_rmem_tensor((2 * mma_m * {per_tile},), cutlass.Float32)",
+                      f"{reg}_max.fill(-float(\"inf\"))",
+                      f"{reg} = cute.make_rmem_tensor((2 * mma_m * {per_tile},), cutlass.Float32)",
+                      f"{reg}.fill(0.0)"]
+            update = [f"{slot.replace(reg, reg + '_max')}, {slot} = logsumexp_update("
+                      f"{slot.replace(reg, reg + '_max')}, {slot}, {lane})" for lane in lanes]
+        else:
+            lines += [f"{reg} = cute.make_rmem_tensor((2 * mma_m * {per_tile},), cutlass.Float32)",
+                      f"{reg}.fill({_IDENTITY[kind]})"]
+            update = [f"{slot} = {_combine(kind, slot, _reduce_term(kind, lane))}" for lane in lanes]
+        lines += ["for m_block in cutlass.range_constexpr(mma_m):",
+                  "    for j in cutlass.range_constexpr(TILE_N // 8):",
+                  "        for h in cutlass.range_constexpr(2):",
+                  "            pair0 = ((0, h, j), m_block, 0)",
+                  "            pair1 = ((1, h, j), m_block, 0)"]
+        lines += ["            " + line for line in inner.lines + update]
+        lines += [f"for k in cutlass.range_constexpr(2 * mma_m * {per_tile}):  # the 4 threads of a row share it"]
+        if kind == "logsumexp":
+            lines += [f"    top, total = {reg}_max[k], {reg}[k]",
+                      "    for offset in cutlass.range_constexpr(1, 3):",
+                      "        top, total = logsumexp_merge(top, total, cute.arch.shuffle_sync_bfly(top, offset=offset),"
+                      " cute.arch.shuffle_sync_bfly(total, offset=offset))",
+                      f"    {reg}[k] = top + cute.math.log(total, fastmath=True)"]
+        else:
+            combine = _combine(kind, "total", "cute.arch.shuffle_sync_bfly(total, offset=offset)")
+            lines += [f"    total = {reg}[k]",
+                      "    for offset in cutlass.range_constexpr(1, 3):",
+                      f"        total = {combine}",
+                      f"    {reg}[k] = total"]
+        ctx.tile_prologue += lines
+        return slot
+
 
     def elementwise(self, node: Node, args: list[list[str]]) -> list[str]:
         code = ELEMENTWISE_CODE[node.op]
@@ -353,6 +435,8 @@ class _Body:
             return [f"{view}[pair0]"]
         if op.width == HALF:
             return [wrap.format(f"{view}[pair0]")]
+        if op.width == ONE and op.kind == "tile" and DTYPE_BYTES[operand_dtype(self.config, op.name)] == 2:
+            return [f"cutlass.Float32(frag_in_{op.name}[slot{e}])" for e in (0, 1)]
         if op.width == ONE:
             return [wrap.format(f"{view}[pair{e}]") for e in (0, 1)]
         return [wrap.format(f"{view}_{q}[pair{e}]") for e in (0, 1) for q in (0, 1)]
@@ -362,7 +446,9 @@ class _Body:
         lanes = _broadcast(self.lanes[id(out.node)], NUM_LANES[out.node.width])
         dtype = CUTE_DTYPES[_storage(out.dtype, self.config)]
         view = f"view_out_{out.name}"
-        targets = {HALF: [f"{view}[pair0]"], ONE: [f"{view}[pair0]", f"{view}[pair1]"],
+        fast = DTYPE_BYTES[_storage(out.dtype, self.config)] == 2
+        targets = {HALF: [f"{view}[pair0]"],
+                   ONE: [f"frag_out_{out.name}[slot{e}]" if fast else f"{view}[pair{e}]" for e in (0, 1)],
                    TWO: [f"{view}_{q}[pair{e}]" for e in (0, 1) for q in (0, 1)]}[out.node.width]
         self.lines.append(f"# store {out.name}")
         for target, value in zip(targets, lanes):

@@ -36,7 +36,7 @@ def emit_command(program: Program, config: KernelConfig) -> str:
     """The CLI line that regenerates this kernel (printed in its header)."""
     parts = [f"coda-cute emit {program.name} --arch {config.arch} --gpu {config.gpu} --dtype {config.dtype}",
              f"--majors {config.majors} --tile {config.tile[0]}x{config.tile[1]}",
-             f"--cluster {config.cluster[0]}x{config.cluster[1]}"]
+             f"--cluster {config.cluster[0]}x{config.cluster[1]} --schedule {config.schedule}"]
     parts += [f"--operand-dtype {name}={dtype}" for name, dtype in config.operand_dtypes]
     return " ".join(parts)
 
@@ -47,6 +47,7 @@ def render(ctx: Context, config: KernelConfig) -> str:
         version=__version__,
         command=emit_command(ctx.program, config),
         program_listing=ctx.program.describe().splitlines(),
+        fast_tiles=ctx.fast_tiles,
         **vars(ctx),
     )
 

@@ -42,9 +42,9 @@ class Kernel:
     """``program`` compiled for a family of configurations, callable on torch tensors."""
 
     def __init__(self, program: Program, *, tile: tuple[int, int] | None = None,
-                 cluster: tuple[int, int] | None = None, gpu: str | None = None):
+                 cluster: tuple[int, int] | None = None, schedule: str | None = None, gpu: str | None = None):
         self.program = program
-        self.tile, self.cluster, self.gpu = tile, cluster, gpu
+        self.tile, self.cluster, self.schedule, self.gpu = tile, cluster, schedule, gpu
         self.launches = 0
         self.last: Launch | None = None
 
@@ -55,12 +55,13 @@ class Kernel:
         operand_dtypes = tuple(
             (name, short_dtype(t.dtype)) for name, t in problem.operands.items() if isinstance(t, torch.Tensor)
         )
-        tile, cluster = self.tile, self.cluster
+        tile, cluster, schedule = self.tile, self.cluster, self.schedule
         if tile is None:
-            tile, cluster = default_tile(problem)
+            tile, cluster, schedule = default_tile(problem)
         return KernelConfig(
             gpu=self.gpu or gpu_model(a.device), dtype=short_dtype(a.dtype), majors=majors,
-            tile=tuple(tile), cluster=tuple(cluster or (1, 1)), operand_dtypes=operand_dtypes,
+            tile=tuple(tile), cluster=tuple(cluster or (1, 1)), schedule=schedule or "cooperative",
+            operand_dtypes=operand_dtypes,
         ).check()
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: dict | None = None,
@@ -118,13 +119,14 @@ def gpu_model(device: torch.device) -> str:
     raise UnsupportedError(f"{props.name} with {props.multi_processor_count} SMs is not a known Hopper GPU")
 
 
-def default_tile(problem: Problem) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Tile and cluster for a problem: 128x256 with a 2-CTA cluster for big outputs."""
+def default_tile(problem: Problem) -> tuple[tuple[int, int], tuple[int, int], str]:
+    """Tile, cluster and schedule for a problem: 128x256 with a 2-CTA cluster for big outputs."""
     widest = max([o.node.width for o in problem.program.tile_outputs] +
                  [op.width for op in problem.program.operands if op.kind == "tile"] + [Fraction(1)])
+    cluster = (2, 1) if problem.m > 128 else (1, 1)
     if problem.n <= 128 or widest > 1:
-        return (128, 128), (2, 1) if problem.m > 128 else (1, 1)
-    return (128, 256), ((2, 1) if problem.m > 128 else (1, 1))
+        return (128, 128), cluster, "cooperative"
+    return (128, 256), cluster, "cooperative"
 
 
 # ----------------------------------------------------------------------------- checks

@@ -95,10 +95,10 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, 
 
 
 def run_and_compare(program: Program, m: int, n: int, k: int, dtype=torch.bfloat16, majors="kk",
-                    tile=None, cluster=None, seed=0):
+                    tile=None, cluster=None, schedule=None, seed=0):
     gen = torch.Generator().manual_seed(seed * 7919 + m * 31 + n * 17 + k)
     a, b, operands = make_inputs(program, m, n, k, dtype, gen, majors)
-    kernel = Kernel(program, tile=tile, cluster=cluster)
+    kernel = Kernel(program, tile=tile, cluster=cluster, schedule=schedule)
     views, buffers = poisoned_outputs(program, m, n, dtype)
     result = kernel(a, b, out=views, return_partials=True, **operands)
     torch.cuda.synchronize()
@@ -144,10 +144,22 @@ def test_majors(majors):
     run_and_compare(library.get("bias_gelu"), 304, 528, 200, majors=majors)  # M-major A needs M % 8 == 0
 
 
-@pytest.mark.parametrize("tile,cluster", [((128, 256), (2, 1)), ((128, 128), (1, 2)), ((64, 256), (1, 1)),
-                                          ((128, 64), (2, 1)), ((64, 128), (1, 1))])
-def test_tiles(tile, cluster):
-    run_and_compare(library.get("residual_sumsq"), 777, 1040, 264, tile=tile, cluster=cluster)
+@pytest.mark.parametrize("tile,cluster,schedule", [
+    ((128, 256), (2, 1), "cooperative"), ((128, 128), (1, 2), "cooperative"), ((64, 256), (1, 1), "cooperative"),
+    ((128, 64), (2, 1), "cooperative"), ((64, 128), (1, 1), "cooperative"),
+    ((64, 256), (2, 1), "pingpong"), ((64, 128), (1, 2), "pingpong"), ((64, 256), (1, 1), "pingpong"),
+])
+def test_tiles(tile, cluster, schedule):
+    run_and_compare(library.get("residual_sumsq"), 777, 1040, 264, tile=tile, cluster=cluster, schedule=schedule)
+
+
+@pytest.mark.parametrize("name", _gpu_programs())
+def test_library_program_pingpong(name):
+    program = library.get(name)
+    if name == "rope_qkv":
+        program = program.with_constants(rotary_cols=272)
+    tile = (64, 128) if any(o.node.width > 1 for o in program.tile_outputs) else (64, 256)
+    run_and_compare(program, 700, 1040, 136, tile=tile, cluster=(2, 1), schedule="pingpong")
 
 
 def test_fp16_inputs():

@@ -1,0 +1,544 @@
+"""The ``coda-cute`` command: browse the library, emit and inspect kernels, manage the cache.
+
+    coda-cute list [--names]                  library programs, one line each
+    coda-cute show NAME                       a program's operands, values and outputs
+    coda-cute emit NAME [config] [-o FILE] [--compile]
+                                              the CuTe-DSL source of one kernel
+    coda-cute inspect NAME [config] [--source] [--ptx] [--sass] [--regs]
+                                              compile for the arch (no GPU needed) and show
+                                              the source, PTX, SASS or ptxas' register report
+    coda-cute cache ls | clear | path         the disk cache of compiled kernels
+    coda-cute precompile NAME... | --all [config...] [--jobs N]
+                                              fill the disk cache ahead of time
+
+Config flags (the ones every emitted kernel's header prints, so that line regenerates it):
+``--arch sm_90a --gpu H200 --dtype bf16 --majors kk --tile 128x256 --cluster 2x1
+--operand-dtype NAME=DTYPE``.
+
+Errors the user can fix (``coda_cute.errors.CodaError``) print as one line,
+``coda-cute: error: <message>``, and exit with status 2.
+
+``precompile(programs, configs, jobs=...)`` is the Python API behind ``coda-cute precompile``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import multiprocessing
+import os
+import re
+import sys
+import tempfile
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from . import __version__
+from .config import CLUSTER_SHAPES, GPUS, TILE_SHAPES, KernelConfig, parse_pair
+from .errors import CodaError, ProgramError, UnsupportedError
+from .lower import CUTE_DTYPES
+from .program import Program, width_str
+
+PROG = "coda-cute"
+
+
+# ----------------------------------------------------------------------------- config flags
+def _pair(text: str, what: str, allowed: tuple[tuple[int, int], ...]) -> tuple[int, int]:
+    pair = parse_pair(text, what)
+    if pair not in allowed:
+        choices = ", ".join(f"{a}x{b}" for a, b in allowed)
+        raise UnsupportedError(f"{what} {pair[0]}x{pair[1]} is not supported; choose one of {choices}")
+    return pair
+
+
+def parse_tile(text: str) -> tuple[int, int]:
+    """'128x256' -> (128, 256), or an error listing the supported tiles."""
+    return _pair(text, "tile", TILE_SHAPES)
+
+
+def parse_cluster(text: str) -> tuple[int, int]:
+    """'2x1' -> (2, 1), or an error listing the supported cluster shapes."""
+    return _pair(text, "cluster", CLUSTER_SHAPES)
+
+
+def parse_operand_dtypes(program: Program, items: Iterable[str] | None) -> tuple[tuple[str, str], ...]:
+    """``NAME=DTYPE`` flags -> ``KernelConfig.operand_dtypes``, checked against ``program``."""
+    tensors = [op.name for op in program.operands if op.kind != "scalar"]
+    found: dict[str, str] = {}
+    for item in items or ():
+        name, sep, dtype = item.partition("=")
+        name, dtype = name.strip(), dtype.strip()
+        if not sep or not name or not dtype:
+            raise UnsupportedError(f"--operand-dtype {item!r}: expected NAME=DTYPE, e.g. residual=f32")
+        if name not in tensors:
+            scalars = [op.name for op in program.operands if op.kind == "scalar"]
+            why = (f"{name!r} is a Scalar (always a runtime float)" if name in scalars
+                   else f"program {program.name!r} has no tensor operand {name!r}")
+            raise UnsupportedError(f"--operand-dtype {item}: {why}; its tensor operands are: "
+                                   f"{', '.join(tensors) or 'none'}")
+        if dtype not in CUTE_DTYPES:
+            raise UnsupportedError(f"--operand-dtype {item}: dtype {dtype!r} is not one of {', '.join(CUTE_DTYPES)}")
+        if name in found and found[name] != dtype:
+            raise UnsupportedError(f"--operand-dtype gives {name!r} two dtypes ({found[name]} and {dtype})")
+        found[name] = dtype
+    return tuple(found.items())
+
+
+def runtime_config(program: Program, config: KernelConfig) -> KernelConfig:
+    """``config`` as the runtime (``Kernel.config_for``) spells it: every tensor operand's dtype
+    listed, in program order, defaulting to the input dtype.  The cache key includes
+    ``operand_dtypes`` literally, so a precompiled kernel is only found at run time in this form."""
+    given = dict(config.operand_dtypes)
+    dtypes = tuple((op.name, given.get(op.name, config.dtype)) for op in program.operands if op.kind != "scalar")
+    return config.with_(operand_dtypes=dtypes)
+
+
+def default_tile_and_cluster(program: Program) -> tuple[tuple[int, int], tuple[int, int]]:
+    """What ``Kernel`` picks on its own for a large problem (M and N in the thousands)."""
+    from .runtime import default_tile
+
+    large = types.SimpleNamespace(program=program, m=8192, n=8192)
+    tile, cluster = default_tile(large)
+    return tuple(tile), tuple(cluster)
+
+
+def short_config(config: KernelConfig) -> str:
+    """One compact line for progress output: dtype, majors, tile, cluster, GPU, operand dtypes."""
+    text = (f"{config.dtype} {config.majors} tile {config.tile[0]}x{config.tile[1]} "
+            f"cluster {config.cluster[0]}x{config.cluster[1]} {config.gpu}")
+    odd = [f"{name}={dtype}" for name, dtype in config.operand_dtypes if dtype != config.dtype]
+    return text + (f" ({', '.join(odd)})" if odd else "")
+
+
+# ----------------------------------------------------------------------------- precompile API
+@dataclass
+class PrecompileResult:
+    """One (program, config) of a ``precompile`` run."""
+
+    program: str
+    config: KernelConfig
+    status: str  # "compiled", "disk" or "memory" (where get_kernel found it), "skipped" or "failed"
+    seconds: float = 0.0  # wall time in the worker (render + compile + export, or load)
+    path: str | None = None  # the cache entry's folder
+    message: str = ""  # why it was skipped or failed
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("compiled", "disk", "memory")
+
+    def line(self) -> str:
+        what = f"{self.program} {short_config(self.config)}"
+        if self.ok:
+            return f"{what}: {self.seconds:.2f} s ({self.status})"
+        return f"{what}: {self.status}: {self.message}"
+
+
+def _plain(program: Program) -> Program:
+    """A picklable copy (the @epilogue subclass keeps its Python function, which may not pickle)."""
+    return Program(program.name, program.operands, program.outputs, program.doc)
+
+
+def _compile_one(program: Program, config: KernelConfig) -> tuple[str, float, str | None]:
+    """Worker: compile (or find) one kernel in the disk cache."""
+    from .cache import get_kernel
+
+    start = time.perf_counter()
+    entry = get_kernel(program, config)
+    return entry.origin, time.perf_counter() - start, (str(entry.path) if entry.path else None)
+
+
+def precompile(programs: Iterable[Program | str], configs: Iterable[KernelConfig], *, jobs: int | None = None,
+               progress: Callable[[str], None] | None = None) -> list[PrecompileResult]:
+    """Compile every (program, config) of the cross product into the disk cache, ``jobs``
+    processes at a time (default: one per CPU).  ``programs`` are Programs or library names.
+
+    Each config is first put in the form the runtime asks the cache for (``runtime_config``),
+    so later ``Kernel(program)(...)`` calls with those settings find the kernels.  Pairs the
+    generator cannot build come back "skipped" without compiling; pairs with the same cache
+    key are built once.  ``progress`` gets a line per finished kernel,
+    "[i/n] name config: 1.23 s (compiled)".  The workers are fresh (spawned) processes that
+    share the disk cache (``coda_cute.cache.cache_dir()``).
+    """
+    from . import library
+
+    resolved = [library.get(p) if isinstance(p, str) else p for p in programs]
+    configs = list(configs)
+    return precompile_pairs([(p, c) for p in resolved for c in configs], jobs=jobs, progress=progress)
+
+
+def precompile_pairs(pairs: Iterable[tuple[Program, KernelConfig]], *, jobs: int | None = None,
+                     progress: Callable[[str], None] | None = None) -> list[PrecompileResult]:
+    """``precompile`` for an explicit list of (program, config) pairs."""
+    from .cache import cache_key
+    from .lower import lower
+
+    results: list[PrecompileResult] = []
+    tasks: list[tuple[Program, KernelConfig]] = []
+    seen: set[str] = set()
+    for program, config in pairs:
+        try:
+            parse_operand_dtypes(program, [f"{n}={d}" for n, d in config.operand_dtypes])
+            config = runtime_config(program, config).check()
+            lower(program, config)  # cheap, and runs every check a compile would fail on
+        except UnsupportedError as exc:
+            results.append(PrecompileResult(program.name, config, "skipped", message=str(exc)))
+            continue
+        key = cache_key(program, config)
+        if key not in seen:
+            seen.add(key)
+            tasks.append((program, config))
+    if not tasks:
+        return results
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
+    context = multiprocessing.get_context("spawn")  # the DSL's compiler state does not survive fork
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        futures = {pool.submit(_compile_one, _plain(p), c): (p, c) for p, c in tasks}
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            program, config = futures[future]
+            try:
+                origin, seconds, path = future.result()
+                result = PrecompileResult(program.name, config, origin, seconds, path)
+            except Exception as exc:  # a compiler failure, or a worker that died: report it, go on
+                text = str(exc).strip()
+                first = text.splitlines()[0] if text else ""
+                result = PrecompileResult(program.name, config, "failed", message=f"{type(exc).__name__}: {first}")
+            results.append(result)
+            if progress:
+                progress(f"[{done}/{len(tasks)}] {result.line()}")
+    return results
+
+
+# ----------------------------------------------------------------------------- commands
+def _out(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def _note(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _output_summary(program: Program) -> str:
+    """'D N/2, sumsq row_sumsq': each output's width (tiles) or reduction (one value per row/column)."""
+    parts = []
+    for out in program.outputs:
+        if out.is_reduction:
+            parts.append(f"{out.name} {out.axis}_{out.reduce}")
+        else:
+            dtype = "" if out.dtype in (None, "in") else f" {out.dtype}"
+            parts.append(f"{out.name} {width_str(out.node.width)}{dtype}")
+    return ", ".join(parts)
+
+
+def cmd_list(args) -> int:
+    from . import library
+
+    table = library.programs()
+    if args.names:
+        for name in table:
+            _out(name)
+        return 0
+    from .lower import lower
+
+    rows = []
+    for name, program in table.items():
+        doc = program.doc.strip().splitlines()[0] if program.doc.strip() else ""
+        try:
+            lower(program, KernelConfig())
+        except UnsupportedError:
+            doc = f"[reference interpreter only: not lowered to {KernelConfig().arch}] {doc}"
+        rows.append((name, _output_summary(program), doc))
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    _out(f"{'program':<{w0}}  {'outputs':<{w1}}  summary")
+    for name, outputs, doc in rows:
+        _out(f"{name:<{w0}}  {outputs:<{w1}}  {doc}".rstrip())
+    return 0
+
+
+def cmd_show(args) -> int:
+    from . import library
+
+    _out(library.get(args.name).describe())
+    return 0
+
+
+def _config(program: Program, args) -> KernelConfig:
+    return KernelConfig(
+        arch=args.arch, gpu=args.gpu, dtype=args.dtype, majors=args.majors,
+        tile=parse_tile(args.tile), cluster=parse_cluster(args.cluster),
+        operand_dtypes=parse_operand_dtypes(program, args.operand_dtype),
+    ).check()
+
+
+def cmd_emit(args) -> int:
+    from . import library
+    from .render import emit
+
+    program = library.get(args.name)
+    config = _config(program, args)
+    source = emit(program, config)
+    if args.output:
+        path = Path(args.output)
+        try:
+            path.write_text(source)
+        except OSError as exc:
+            raise UnsupportedError(f"cannot write {path}: {exc.strerror or exc}") from None
+        _note(f"wrote {path} ({len(source.splitlines())} lines): {program.name}, {config.describe()}")
+    else:
+        sys.stdout.write(source)
+        sys.stdout.flush()
+    if args.compile:
+        from .compile import compile_source
+
+        with tempfile.TemporaryDirectory(prefix="coda_cute_emit_") as tmp:
+            compiled = compile_source(source, program, config, source_dir=Path(tmp))
+        _note(f"compiled {program.name} for {config.arch} in {compiled.compile_seconds:.2f} s")
+    return 0
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def ptxas_lines(report: str) -> list[str]:
+    """The ptxas lines of a compile report, without terminal colors or the DSL's remark prefix."""
+    lines = []
+    for line in _ANSI.sub("", report).splitlines():
+        if "ptxas" in line:
+            lines.append(line.split("ptxas output: ", 1)[-1].strip())
+    return lines
+
+
+def cmd_inspect(args) -> int:
+    from . import library
+    from .compile import compile_source
+    from .render import emit
+
+    program = library.get(args.name)
+    config = _config(program, args)
+    source = emit(program, config)
+    wanted = [w for w in ("source", "ptx", "sass", "regs") if getattr(args, w)] or ["regs"]
+    keep = tuple(w for w in ("ptx", "sass") if w in wanted)
+    with tempfile.TemporaryDirectory(prefix="coda_cute_inspect_") as tmp:
+        dump = Path(args.dump_dir) if args.dump_dir else Path(tmp) / "dump"
+        compiled = compile_source(source, program, config, keep=keep, dump_dir=dump if keep else None,
+                                  source_dir=Path(tmp) / "src", report="regs" in wanted)
+        _out(f"# {program.name}: {config.describe()}; compiled in {compiled.compile_seconds:.2f} s")
+        if "source" in wanted:
+            _out("# ---- source")
+            sys.stdout.write(source)
+        for kind in keep:
+            path = compiled.artifacts[kind]
+            shown = path if args.dump_dir else path.name
+            _out(f"# ---- {kind.upper()} ({shown})")
+            sys.stdout.write(path.read_text())
+        if "regs" in wanted:
+            _out("# ---- ptxas register report")
+            spills = compiled.spill_bytes
+            _out(f"registers: {compiled.registers} per thread; "
+                 f"spills: {'unknown' if spills is None else f'{spills} bytes'}")
+            for line in ptxas_lines(compiled.report):
+                _out(f"  {line}")
+    sys.stdout.flush()
+    return 0
+
+
+def cmd_cache(args) -> int:
+    from . import cache
+
+    root = cache.cache_dir()
+    if args.action == "path":
+        _out(str(root))
+    elif args.action == "clear":
+        removed = cache.clear()
+        _out(f"removed {removed} kernel{'s' if removed != 1 else ''} from {root}")
+    else:
+        entries = cache.list_entries()
+        if not entries:
+            _out(f"no kernels cached in {root}")
+            return 0
+        _out(f"{len(entries)} kernel{'s' if len(entries) != 1 else ''} in {root}")
+        total = 0
+        for e in entries:
+            total += e.get("bytes", 0)
+            seconds = e.get("compile_seconds")
+            took = f"{seconds:.2f} s" if isinstance(seconds, (int, float)) else "?"
+            _out(f"  {str(e.get('key', '?'))[:12]}  {e.get('program', '?'):<22} {e.get('config', '?')}  "
+                 f"[{e.get('bytes', 0) / 1024:.0f} KiB, compiled in {took}, {e.get('created', '?')}]")
+        _out(f"total {total / 1024 / 1024:.1f} MiB")
+    return 0
+
+
+def precompile_requests(args) -> list[tuple[Program, KernelConfig]]:
+    """The (program, config) pairs a `coda-cute precompile` command line asks for."""
+    from . import library
+
+    programs = list(library.programs().values()) if args.all else [library.get(n) for n in args.names]
+    tiles = [parse_tile(t) for t in args.tile] if args.tile else [None]
+    clusters = [parse_cluster(c) for c in args.cluster] if args.cluster else [None]
+    pairs = []
+    if args.all:  # --operand-dtype residual=f32 --all: for the programs that have a `residual`
+        everywhere = {op.name for p in programs for op in p.operands if op.kind != "scalar"}
+        for item in args.operand_dtype or []:
+            if item.partition("=")[0].strip() not in everywhere:
+                raise UnsupportedError(f"--operand-dtype {item}: no library program has a tensor operand "
+                                       f"named {item.partition('=')[0].strip()!r}")
+    for program in programs:
+        default_tile, default_cluster = default_tile_and_cluster(program)
+        items = args.operand_dtype or []
+        if args.all:
+            tensors = {op.name for op in program.operands if op.kind != "scalar"}
+            items = [item for item in items if item.partition("=")[0].strip() in tensors]
+        operand_dtypes = parse_operand_dtypes(program, items)
+        for gpu in args.gpu or [KernelConfig.gpu]:
+            for dtype in args.dtype or [KernelConfig.dtype]:
+                for majors in args.majors or [KernelConfig.majors]:
+                    for tile in tiles:
+                        for cluster in clusters:
+                            config = KernelConfig(arch=args.arch, gpu=gpu, dtype=dtype, majors=majors,
+                                                  tile=tile or default_tile, cluster=cluster or default_cluster,
+                                                  operand_dtypes=operand_dtypes).check()
+                            pairs.append((program, config))
+    return pairs
+
+
+def cmd_precompile(args) -> int:
+    from . import library
+    from .cache import cache_dir
+
+    if args.all and args.names:
+        raise ProgramError("give program names or --all, not both")
+    if not args.all and not args.names:
+        raise ProgramError(f"name the programs to precompile, or --all; available: {', '.join(library.programs())}")
+    if args.jobs is not None and args.jobs < 1:
+        raise UnsupportedError(f"--jobs {args.jobs}: expected at least 1")
+    pairs = precompile_requests(args)
+    start = time.perf_counter()
+    results = precompile_pairs(pairs, jobs=args.jobs, progress=_out)
+    skipped = [r for r in results if r.status == "skipped"]
+    failed = [r for r in results if r.status == "failed"]
+    built = [r for r in results if r.ok]
+    for r in skipped:
+        _note(f"skipped {r.line()}")
+    if not built and not failed:
+        raise UnsupportedError("nothing to precompile: every program/config combination was skipped")
+    counts = {s: sum(r.status == s for r in built) for s in ("compiled", "disk", "memory")}
+    _out(f"{len(built)} kernel{'s' if len(built) != 1 else ''} in {cache_dir()} "
+         f"({counts['compiled']} compiled, {counts['disk'] + counts['memory']} already cached"
+         f"{f', {len(skipped)} skipped' if skipped else ''}) in {time.perf_counter() - start:.1f} s")
+    if failed:  # not the user's doing: a generator or compiler bug, so status 1, not 2
+        _note(f"{PROG}: error: {len(failed)} of {len(failed) + len(built)} kernels failed to compile; "
+              f"first: {failed[0].line()}")
+        return 1
+    return 0
+
+
+# ----------------------------------------------------------------------------- parser
+def _add_config_flags(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    """The flags ``render.emit_command`` prints; with ``several``, most may be repeated."""
+    d = KernelConfig()
+    group = parser.add_argument_group("kernel configuration" + (" (repeat a flag to build several)" if several else ""))
+    many = dict(action="append", default=None) if several else {}
+
+    def default(value: str) -> dict:
+        return many if several else dict(default=value)
+
+    group.add_argument("--arch", default=d.arch, help=f"target architecture (default {d.arch})")
+    group.add_argument("--gpu", **default(d.gpu), metavar="GPU",
+                       help=f"GPU model, sets the persistent grid: {', '.join(GPUS)} (default {d.gpu})")
+    group.add_argument("--dtype", **default(d.dtype), help=f"A and B dtype: bf16 or f16 (default {d.dtype})")
+    group.add_argument("--majors", **default(d.majors),
+                       help=f"A's major (k or m) then B's (k or n); kk is x @ W.T (default {d.majors})")
+    tile_default = ("what the runtime picks for large problems" if several else f"{d.tile[0]}x{d.tile[1]}")
+    group.add_argument("--tile", **default(f"{d.tile[0]}x{d.tile[1]}"), metavar="MxN",
+                       help=f"CTA tile: {', '.join(f'{a}x{b}' for a, b in TILE_SHAPES)} (default {tile_default})")
+    cluster_default = ("what the runtime picks for large problems" if several else f"{d.cluster[0]}x{d.cluster[1]}")
+    group.add_argument("--cluster", **default(f"{d.cluster[0]}x{d.cluster[1]}"), metavar="MxN",
+                       help=f"CTA cluster: {', '.join(f'{a}x{b}' for a, b in CLUSTER_SHAPES)} "
+                            f"(default {cluster_default})")
+    group.add_argument("--operand-dtype", action="append", metavar="NAME=DTYPE",
+                       help=f"dtype of a tensor operand ({', '.join(CUTE_DTYPES)}; default: the input dtype); "
+                            "repeat for several operands")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="GEMM + epilogue programs as readable CuTe-DSL Hopper kernels.",
+        epilog="Emitted kernels print the command that regenerates them in their header.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("list", help="the library's programs, one line each")
+    p.add_argument("--names", action="store_true", help="only the names, one per line")
+    p.set_defaults(run=cmd_list)
+
+    p = sub.add_parser("show", help="a program's operands, values and outputs")
+    p.add_argument("name", metavar="NAME", help="library program (see `coda-cute list`)")
+    p.set_defaults(run=cmd_show)
+
+    p = sub.add_parser("emit", help="print or write the CuTe-DSL source of a kernel")
+    p.add_argument("name", metavar="NAME", help="library program (see `coda-cute list`)")
+    _add_config_flags(p)
+    p.add_argument("-o", "--output", metavar="FILE", help="write the source to FILE instead of stdout")
+    p.add_argument("--compile", action="store_true",
+                   help="also compile it for --arch (no GPU needed) and print the compile time")
+    p.set_defaults(run=cmd_emit)
+
+    p = sub.add_parser("inspect", help="compile a kernel for --arch (no GPU needed) and show what came out",
+                       description="Compile a kernel for --arch without a GPU and print the requested parts "
+                                   "(default: --regs).")
+    p.add_argument("name", metavar="NAME", help="library program (see `coda-cute list`)")
+    _add_config_flags(p)
+    p.add_argument("--source", action="store_true", help="the emitted CuTe-DSL source")
+    p.add_argument("--ptx", action="store_true", help="the PTX")
+    p.add_argument("--sass", action="store_true", help="the SASS (nvdisasm of the cubin)")
+    p.add_argument("--regs", action="store_true", help="ptxas' register and spill report")
+    p.add_argument("--dump-dir", metavar="DIR", help="keep the PTX / cubin / SASS files in DIR")
+    p.set_defaults(run=cmd_inspect)
+
+    p = sub.add_parser("cache", help="the disk cache of compiled kernels ($CODA_CUTE_CACHE_DIR)")
+    p.add_argument("action", choices=("ls", "clear", "path"),
+                   help="ls: list the kernels; clear: delete them; path: print the folder")
+    p.set_defaults(run=cmd_cache)
+
+    p = sub.add_parser("precompile", help="compile kernels into the disk cache ahead of time",
+                       description="Compile every program x configuration into the disk cache, in parallel "
+                                   "worker processes, so later runs load instead of compiling.")
+    p.add_argument("names", nargs="*", metavar="NAME", help="library programs (or --all)")
+    p.add_argument("--all", action="store_true", help="every library program (those a config cannot build are skipped)")
+    _add_config_flags(p, several=True)
+    p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
+                   help=f"worker processes (default: one per CPU, {os.cpu_count()} here)")
+    p.set_defaults(run=cmd_precompile)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``coda-cute`` command; returns the exit status (2 for errors the user can fix)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or argparse's own usage error (status 2)
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return args.run(args)
+    except CodaError as exc:
+        _note(f"{PROG}: error: {exc}")
+        return 2
+    except BrokenPipeError:  # e.g. `coda-cute emit gemm | head`
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
+    except KeyboardInterrupt:
+        _note(f"{PROG}: interrupted")
+        return 130
+
+
+if __name__ == "__main__":  # python -m coda_cute.cli: run the imported module, so workers can find it
+    from coda_cute.cli import main as _main
+
+    sys.exit(_main())
