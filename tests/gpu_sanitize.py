@@ -13,14 +13,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_gpu_kernels import _gpu_programs, make_inputs  # noqa: E402
+from test_gpu_kernels import _gpu_programs, _sized, make_inputs  # noqa: E402
 
-from coda_cute import library  # noqa: E402
 from coda_cute.runtime import Kernel  # noqa: E402
 
 for schedule, tile in (("cooperative", (128, 128)), ("pingpong", (64, 128))):
     for name in _gpu_programs():
-        program = library.get(name)
+        program = _sized(name, 272)
         a, b, ops = make_inputs(program, 200, 272, 72, torch.bfloat16, torch.Generator().manual_seed(1))
         Kernel(program, tile=tile, cluster=(1, 1), schedule=schedule)(a, b, **ops)
         torch.cuda.synchronize()

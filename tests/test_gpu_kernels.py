@@ -133,10 +133,21 @@ def _gpu_programs():
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("name", _gpu_programs())
 def test_library_program(name, shape):
+    run_and_compare(_sized(name, shape[1]), *shape)
+
+
+def _sized(name: str, n: int) -> Program:
+    """Library program with constants that fit N: RoPE rotates part of the columns, heads divide N."""
     program = library.get(name)
     if name == "rope_qkv":  # rotate some columns, pass the rest through
-        program = program.with_constants(rotary_cols=shape[1] // 2)
-    run_and_compare(program, *shape)
+        program = program.with_constants(rotary_cols=n // 2)
+    if name == "qk_rmsnorm":
+        program = program.with_constants(head_dim=16)
+    return program
+
+
+def test_qk_rmsnorm_llama_heads():
+    run_and_compare(library.get("qk_rmsnorm"), 333, 768, 128)  # head_dim 128: two heads per 128x256 tile
 
 
 @pytest.mark.parametrize("majors", ["kk", "mk", "kn", "mn"])
@@ -155,9 +166,7 @@ def test_tiles(tile, cluster, schedule):
 
 @pytest.mark.parametrize("name", _gpu_programs())
 def test_library_program_pingpong(name):
-    program = library.get(name)
-    if name == "rope_qkv":
-        program = program.with_constants(rotary_cols=272)
+    program = _sized(name, 1040)
     tile = (64, 128) if any(o.node.width > 1 for o in program.tile_outputs) else (64, 256)
     run_and_compare(program, 700, 1040, 136, tile=tile, cluster=(2, 1), schedule="pingpong")
 
