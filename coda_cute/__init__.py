@@ -17,6 +17,11 @@ Layers, in the order a program flows through them (one module each):
 
 __version__ = "0.1.0"
 
+import warnings  # noqa: E402
+
+# torch's CPU wheel warns at import when numpy is absent; coda-cute never hands torch numpy data
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
 from .errors import ArgumentError, CodaError, ProgramError, UnsupportedError  # noqa: E402
 from .frontend import (  # noqa: E402
     ColVec, Expr, Reduction, RowVec, Scalar, Table, Tile, bf16, clamp, col_logsumexp, col_max,

@@ -99,6 +99,7 @@ def environment_fields() -> dict:
 
 
 def key_fields(program: Program, config: KernelConfig) -> dict:
+    config = config.resolved(program)
     return {"program": program.fingerprint, "config": list(map(_jsonable, config.key())), **environment_fields()}
 
 
@@ -112,6 +113,7 @@ def _jsonable(value):
 
 def get_kernel(program: Program, config: KernelConfig) -> CacheEntry:
     """The compiled kernel for (program, config): from memory, disk, or a fresh compile."""
+    config = config.resolved(program)
     key = cache_key(program, config)
     with _LOCK:
         entry = _MEMORY.get(key)

@@ -13,7 +13,7 @@
 
 Config flags (the ones every emitted kernel's header prints, so that line regenerates it):
 ``--arch sm_90a --gpu H200 --dtype bf16 --majors kk --tile 128x256 --cluster 2x1
---operand-dtype NAME=DTYPE``.
+--schedule cooperative --operand-dtype NAME=DTYPE``.
 
 Errors the user can fix (``coda_cute.errors.CodaError``) print as one line,
 ``coda-cute: error: <message>``, and exit with status 2.
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from . import __version__
-from .config import CLUSTER_SHAPES, GPUS, TILE_SHAPES, KernelConfig, parse_pair
+from .config import CLUSTER_SHAPES, GPUS, SCHEDULES, TILE_SHAPES, KernelConfig, parse_pair
 from .errors import CodaError, ProgramError, UnsupportedError
 from .lower import CUTE_DTYPES
 from .program import Program, width_str
@@ -91,24 +91,22 @@ def runtime_config(program: Program, config: KernelConfig) -> KernelConfig:
     """``config`` as the runtime (``Kernel.config_for``) spells it: every tensor operand's dtype
     listed, in program order, defaulting to the input dtype.  The cache key includes
     ``operand_dtypes`` literally, so a precompiled kernel is only found at run time in this form."""
-    given = dict(config.operand_dtypes)
-    dtypes = tuple((op.name, given.get(op.name, config.dtype)) for op in program.operands if op.kind != "scalar")
-    return config.with_(operand_dtypes=dtypes)
+    return config.resolved(program)
 
 
-def default_tile_and_cluster(program: Program) -> tuple[tuple[int, int], tuple[int, int]]:
-    """What ``Kernel`` picks on its own for a large problem (M and N in the thousands)."""
+def runtime_defaults(program: Program) -> tuple[tuple[int, int], tuple[int, int], str]:
+    """Tile, cluster and schedule ``Kernel`` picks on its own for a large problem (M, N in the thousands)."""
     from .runtime import default_tile
 
     large = types.SimpleNamespace(program=program, m=8192, n=8192)
-    tile, cluster = default_tile(large)
-    return tuple(tile), tuple(cluster)
+    tile, cluster, schedule = default_tile(large)
+    return tuple(tile), tuple(cluster), schedule
 
 
 def short_config(config: KernelConfig) -> str:
     """One compact line for progress output: dtype, majors, tile, cluster, GPU, operand dtypes."""
     text = (f"{config.dtype} {config.majors} tile {config.tile[0]}x{config.tile[1]} "
-            f"cluster {config.cluster[0]}x{config.cluster[1]} {config.gpu}")
+            f"cluster {config.cluster[0]}x{config.cluster[1]} {config.schedule} {config.gpu}")
     odd = [f"{name}={dtype}" for name, dtype in config.operand_dtypes if dtype != config.dtype]
     return text + (f" ({', '.join(odd)})" if odd else "")
 
@@ -133,7 +131,7 @@ class PrecompileResult:
         what = f"{self.program} {short_config(self.config)}"
         if self.ok:
             return f"{what}: {self.seconds:.2f} s ({self.status})"
-        return f"{what}: {self.status}: {self.message}"
+        return f"{what}: {self.status} ({self.message})"
 
 
 def _plain(program: Program) -> Program:
@@ -160,7 +158,9 @@ def precompile(programs: Iterable[Program | str], configs: Iterable[KernelConfig
     generator cannot build come back "skipped" without compiling; pairs with the same cache
     key are built once.  ``progress`` gets a line per finished kernel,
     "[i/n] name config: 1.23 s (compiled)".  The workers are fresh (spawned) processes that
-    share the disk cache (``coda_cute.cache.cache_dir()``).
+    share the disk cache (``coda_cute.cache.cache_dir()``) and receive each program as its IR
+    (any Program works, including ones traced inside a function); as with any spawn pool, a
+    script that calls this must do so under ``if __name__ == "__main__":``.
     """
     from . import library
 
@@ -265,11 +265,25 @@ def cmd_show(args) -> int:
     return 0
 
 
+def parse_table_periods(program: Program, items) -> tuple[tuple[str, int], ...]:
+    """``NAME=P`` flags -> ``KernelConfig.table_periods``, checked against ``program``'s tables."""
+    tables = [op.name for op in program.operands if op.kind == "table"]
+    found = {}
+    for item in items or ():
+        name, _, value = item.partition("=")
+        if name not in tables or not value.isdigit() or int(value) <= 0:
+            raise UnsupportedError(f"--table-period {item!r}: expected NAME=P with NAME one of the Table operands "
+                                   f"{tables or '(none)'} and P a positive integer")
+        found[name] = int(value)
+    return tuple(found.items())
+
+
 def _config(program: Program, args) -> KernelConfig:
     return KernelConfig(
         arch=args.arch, gpu=args.gpu, dtype=args.dtype, majors=args.majors,
-        tile=parse_tile(args.tile), cluster=parse_cluster(args.cluster),
+        tile=parse_tile(args.tile), cluster=parse_cluster(args.cluster), schedule=args.schedule,
         operand_dtypes=parse_operand_dtypes(program, args.operand_dtype),
+        table_periods=parse_table_periods(program, getattr(args, "table_period", None)),
     ).check()
 
 
@@ -323,7 +337,8 @@ def cmd_inspect(args) -> int:
     keep = tuple(w for w in ("ptx", "sass") if w in wanted)
     with tempfile.TemporaryDirectory(prefix="coda_cute_inspect_") as tmp:
         dump = Path(args.dump_dir) if args.dump_dir else Path(tmp) / "dump"
-        compiled = compile_source(source, program, config, keep=keep, dump_dir=dump if keep else None,
+        kept = keep or (("ptx",) if args.dump_dir else ())  # --dump-dir alone still keeps PTX + cubin there
+        compiled = compile_source(source, program, config, keep=kept, dump_dir=dump if kept else None,
                                   source_dir=Path(tmp) / "src", report="regs" in wanted)
         _out(f"# {program.name}: {config.describe()}; compiled in {compiled.compile_seconds:.2f} s")
         if "source" in wanted:
@@ -378,15 +393,25 @@ def precompile_requests(args) -> list[tuple[Program, KernelConfig]]:
     programs = list(library.programs().values()) if args.all else [library.get(n) for n in args.names]
     tiles = [parse_tile(t) for t in args.tile] if args.tile else [None]
     clusters = [parse_cluster(c) for c in args.cluster] if args.cluster else [None]
-    pairs = []
+    schedules = args.schedule or [None]
+    # Each value on its own must be valid (a typo is an error); combinations that do not go
+    # together (a ping-pong schedule with a 128-row tile) are skipped by precompile_pairs.
+    for schedule in args.schedule or []:
+        if schedule not in SCHEDULES:
+            raise UnsupportedError(f"schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    KernelConfig(arch=args.arch).check()
+    for field, values in (("gpu", args.gpu), ("dtype", args.dtype), ("majors", args.majors)):
+        for value in values or []:
+            KernelConfig(**{field: value}).check()
     if args.all:  # --operand-dtype residual=f32 --all: for the programs that have a `residual`
         everywhere = {op.name for p in programs for op in p.operands if op.kind != "scalar"}
         for item in args.operand_dtype or []:
             if item.partition("=")[0].strip() not in everywhere:
                 raise UnsupportedError(f"--operand-dtype {item}: no library program has a tensor operand "
                                        f"named {item.partition('=')[0].strip()!r}")
+    pairs = []
     for program in programs:
-        default_tile, default_cluster = default_tile_and_cluster(program)
+        default_tile, default_cluster, default_schedule = runtime_defaults(program)
         items = args.operand_dtype or []
         if args.all:
             tensors = {op.name for op in program.operands if op.kind != "scalar"}
@@ -397,10 +422,11 @@ def precompile_requests(args) -> list[tuple[Program, KernelConfig]]:
                 for majors in args.majors or [KernelConfig.majors]:
                     for tile in tiles:
                         for cluster in clusters:
-                            config = KernelConfig(arch=args.arch, gpu=gpu, dtype=dtype, majors=majors,
-                                                  tile=tile or default_tile, cluster=cluster or default_cluster,
-                                                  operand_dtypes=operand_dtypes).check()
-                            pairs.append((program, config))
+                            for schedule in schedules:
+                                pairs.append((program, KernelConfig(
+                                    arch=args.arch, gpu=gpu, dtype=dtype, majors=majors,
+                                    tile=tile or default_tile, cluster=cluster or default_cluster,
+                                    schedule=schedule or default_schedule, operand_dtypes=operand_dtypes)))
     return pairs
 
 
@@ -420,10 +446,11 @@ def cmd_precompile(args) -> int:
     skipped = [r for r in results if r.status == "skipped"]
     failed = [r for r in results if r.status == "failed"]
     built = [r for r in results if r.ok]
-    for r in skipped:
-        _note(f"skipped {r.line()}")
     if not built and not failed:
-        raise UnsupportedError("nothing to precompile: every program/config combination was skipped")
+        more = f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""
+        raise UnsupportedError(f"nothing to precompile: {skipped[0].line()}{more}")
+    for r in skipped:
+        _note(r.line())
     counts = {s: sum(r.status == s for r in built) for s in ("compiled", "disk", "memory")}
     _out(f"{len(built)} kernel{'s' if len(built) != 1 else ''} in {cache_dir()} "
          f"({counts['compiled']} compiled, {counts['disk'] + counts['memory']} already cached"
@@ -458,9 +485,15 @@ def _add_config_flags(parser: argparse.ArgumentParser, several: bool = False) ->
     group.add_argument("--cluster", **default(f"{d.cluster[0]}x{d.cluster[1]}"), metavar="MxN",
                        help=f"CTA cluster: {', '.join(f'{a}x{b}' for a, b in CLUSTER_SHAPES)} "
                             f"(default {cluster_default})")
+    schedule_default = "what the runtime picks for large problems" if several else d.schedule
+    group.add_argument("--schedule", **default(d.schedule), metavar="SCHEDULE",
+                       help=f"consumer warpgroups: {', '.join(SCHEDULES)} (pingpong needs a 64-row tile; "
+                            f"default {schedule_default})")
     group.add_argument("--operand-dtype", action="append", metavar="NAME=DTYPE",
                        help=f"dtype of a tensor operand ({', '.join(CUTE_DTYPES)}; default: the input dtype); "
                             "repeat for several operands")
+    group.add_argument("--table-period", action="append", metavar="NAME=P",
+                       help="column count P of a Table operand, baked into the kernel (default: read at run time)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -118,7 +118,8 @@ def fake_arguments(program: Program, config: KernelConfig) -> list:
             length = m if op.kind == "row" else cols[op.width]
             args.append(make_fake_tensor(dtype(od), (length,), (1,), assumed_align=DTYPE_BYTES[od]))
         else:
-            args.append(matrix(od, cute.sym_int(), cute.sym_int(), align=DTYPE_BYTES[od]))
+            period = dict(config.table_periods).get(op.name) or cute.sym_int()
+            args.append(matrix(od, cute.sym_int(), period, align=DTYPE_BYTES[od]))
     return args
 
 
@@ -161,7 +162,7 @@ def compile_source(source: str, program: Program, config: KernelConfig, *, keep:
 def compile_program(program: Program, config: KernelConfig | None = None, **kwargs) -> CompiledKernel:
     """Lower, render and compile ``program`` (see ``compile_source``)."""
     config = config or KernelConfig()
-    source = render(lower(program, config), config)
+    source = render(lower(program, config))
     return compile_source(source, program, config, **kwargs)
 
 

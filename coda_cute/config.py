@@ -38,6 +38,8 @@ class KernelConfig:
     raster_along_m: bool = True
     swizzle: int = 1
     operand_dtypes: tuple[tuple[str, str], ...] = field(default=())
+    #: Table operands' column periods P, baked in so `col % P` is cheap (unknown: P stays dynamic)
+    table_periods: tuple[tuple[str, int], ...] = field(default=())
 
     def check(self) -> "KernelConfig":
         """Raise UnsupportedError naming the first field this generator cannot build."""
@@ -65,6 +67,25 @@ class KernelConfig:
             raise UnsupportedError(f"swizzle {self.swizzle} must be >= 1")
         return self
 
+    def resolved(self, program) -> "KernelConfig":
+        """This config with every tensor operand's dtype spelled out (default: the input dtype)
+        and only the program's table periods, in program order: one spelling per kernel, so
+        configs that build the same kernel have the same cache key."""
+        given = dict(self.operand_dtypes)
+        tensors = [op for op in program.operands if op.kind != "scalar"]
+        unknown = sorted(set(given) - {op.name for op in tensors})
+        if unknown:
+            raise UnsupportedError(
+                f"operand dtype(s) given for {unknown}, which are not tensor operands of {program.name!r}"
+            )
+        dtypes = tuple((op.name, given.get(op.name, self.dtype)) for op in tensors)
+        for name, dtype in dtypes:
+            if dtype not in ("bf16", "f16", "f32"):
+                raise UnsupportedError(f"operand {name!r}: dtype {dtype!r} is not one of bf16, f16, f32")
+        periods = dict(self.table_periods)
+        tables = tuple((op.name, periods[op.name]) for op in tensors if op.kind == "table" and op.name in periods)
+        return replace(self, operand_dtypes=dtypes, table_periods=tables)
+
     @property
     def sm_count(self) -> int:
         return GPUS[self.gpu]
@@ -75,7 +96,8 @@ class KernelConfig:
     def key(self) -> tuple:
         """Hashable identity, in the order the emitted header prints it."""
         return (self.arch, self.gpu, self.dtype, self.majors, tuple(self.tile), tuple(self.cluster),
-                self.schedule, self.raster_along_m, self.swizzle, tuple(self.operand_dtypes))
+                self.schedule, self.raster_along_m, self.swizzle, tuple(self.operand_dtypes),
+                tuple(self.table_periods))
 
     def describe(self) -> str:
         return (f"{self.arch} {self.gpu} ({self.sm_count} SMs), {self.dtype} inputs, majors {self.majors}, "

@@ -74,6 +74,7 @@ class Context:
     """Everything the template needs; built by ``lower``."""
 
     program: Program
+    config: KernelConfig  # resolved: every operand dtype spelled out
     cfg: dict
     class_name: str
     host_params: list = field(default_factory=list)
@@ -107,10 +108,10 @@ def operand_dtype(config: KernelConfig, name: str) -> str:
 
 def lower(program: Program, config: KernelConfig) -> Context:
     """Check that ``program`` can run as an sm_90a epilogue under ``config``; build the context."""
-    config.check()
+    config = config.check().resolved(program)
     _check_supported(program, config)
     tile_m, tile_n = config.tile
-    ctx = Context(program=program, cfg={}, class_name=_class_name(program.name))
+    ctx = Context(program=program, config=config, cfg={}, class_name=_class_name(program.name))
     _declare_tensors(ctx, program, config)
     stages, ab_stages = _stages(ctx, config)
     ctx.cfg = dict(

@@ -37,11 +37,13 @@ def emit_command(program: Program, config: KernelConfig) -> str:
     parts = [f"coda-cute emit {program.name} --arch {config.arch} --gpu {config.gpu} --dtype {config.dtype}",
              f"--majors {config.majors} --tile {config.tile[0]}x{config.tile[1]}",
              f"--cluster {config.cluster[0]}x{config.cluster[1]} --schedule {config.schedule}"]
-    parts += [f"--operand-dtype {name}={dtype}" for name, dtype in config.operand_dtypes]
+    parts += [f"--operand-dtype {name}={dtype}" for name, dtype in config.operand_dtypes if dtype != config.dtype]
+    parts += [f"--table-period {name}={period}" for name, period in config.table_periods]
     return " ".join(parts)
 
 
-def render(ctx: Context, config: KernelConfig) -> str:
+def render(ctx: Context, config: KernelConfig | None = None) -> str:
+    config = ctx.config
     template = environment().get_template(TEMPLATES[config.arch])
     return template.render(
         version=__version__,
@@ -55,4 +57,4 @@ def render(ctx: Context, config: KernelConfig) -> str:
 def emit(program: Program, config: KernelConfig | None = None) -> str:
     """The CuTe-DSL source of ``program`` under ``config``: one readable, standalone module."""
     config = config or KernelConfig()
-    return render(lower(program, config), config)
+    return render(lower(program, config))

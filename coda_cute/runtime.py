@@ -55,13 +55,15 @@ class Kernel:
         operand_dtypes = tuple(
             (name, short_dtype(t.dtype)) for name, t in problem.operands.items() if isinstance(t, torch.Tensor)
         )
+        table_periods = tuple((op.name, int(problem.operands[op.name].shape[1]))
+                              for op in self.program.operands if op.kind == "table")
         tile, cluster, schedule = self.tile, self.cluster, self.schedule
         if tile is None:
             tile, cluster, schedule = default_tile(problem)
         return KernelConfig(
             gpu=self.gpu or gpu_model(a.device), dtype=short_dtype(a.dtype), majors=majors,
             tile=tuple(tile), cluster=tuple(cluster or (1, 1)), schedule=schedule or "cooperative",
-            operand_dtypes=operand_dtypes,
+            operand_dtypes=operand_dtypes, table_periods=table_periods,
         ).check()
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: dict | None = None,
@@ -121,11 +123,10 @@ def gpu_model(device: torch.device) -> str:
 
 def default_tile(problem: Problem) -> tuple[tuple[int, int], tuple[int, int], str]:
     """Tile, cluster and schedule for a problem: 128x256 with a 2-CTA cluster for big outputs."""
-    widest = max([o.node.width for o in problem.program.tile_outputs] +
-                 [op.width for op in problem.program.operands if op.kind == "tile"] + [Fraction(1)])
-    cluster = (2, 1) if problem.m > 128 else (1, 1)
-    if problem.n <= 128 or widest > 1:
-        return (128, 128), cluster, "cooperative"
+    # measured on H200 (benchmarks/results): 128x256 with a 1x2 cluster led at d=4096
+    cluster = (1, 2) if problem.n > 256 else (2, 1) if problem.m > 128 else (1, 1)
+    if problem.n <= 128:
+        return (128, 128), ((2, 1) if problem.m > 128 else (1, 1)), "cooperative"
     return (128, 256), cluster, "cooperative"
 
 

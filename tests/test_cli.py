@@ -1,0 +1,311 @@
+"""The `coda-cute` command: in-process through ``main([...])`` and once as a real process.
+
+Compiles three kernels in all (emit --compile, inspect --sass --regs, precompile), each
+~1-2 s on a CPU; everything else only renders."""
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coda_cute import library
+from coda_cute.cli import runtime_defaults
+import torch
+
+from coda_cute import library
+from coda_cute.arguments import bind
+from coda_cute.cache import cache_key, list_entries
+from coda_cute.cli import build_parser, main, precompile, precompile_requests, runtime_config
+from coda_cute.config import KernelConfig
+from coda_cute.render import emit
+from coda_cute.runtime import Kernel
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(capsys, *args):
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("CODA_CUTE_CACHE_DIR", str(folder))
+    monkeypatch.delenv("CODA_CUTE_NO_DISK_CACHE", raising=False)
+    return folder
+
+
+def header_command(source: str) -> list[str]:
+    """The regenerating command an emitted kernel prints in its header, as argv."""
+    lines = [line.strip() for line in source.splitlines()[:20] if line.strip().startswith("coda-cute emit ")]
+    assert len(lines) == 1, "the header must print exactly one `coda-cute emit` line"
+    return shlex.split(lines[0])
+
+
+# ----------------------------------------------------------------------------- list / show
+def test_list_has_one_line_per_program_with_outputs_and_summary(capsys):
+    code, out, err = cli(capsys, "list")
+    assert code == 0 and err == ""
+    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert set(lines) == set(library.programs())
+    for name, program in library.programs().items():
+        assert program.doc.strip().splitlines()[0] in lines[name]
+    assert re.search(r"^swiglu\s+D N/2\s", lines["swiglu"])
+    assert re.search(r"^swiglu_bwd\s+D 2N\s", lines["swiglu_bwd"])
+    assert "D N, sumsq row_sumsq" in lines["residual_sumsq"]
+    assert "dgamma col_sum" in lines["rmsnorm_bwd"]
+
+
+def test_list_names_prints_only_names(capsys):
+    code, out, _ = cli(capsys, "list", "--names")
+    assert code == 0
+    assert out.splitlines() == list(library.programs())
+
+
+def test_show_prints_the_program_listing(capsys):
+    code, out, _ = cli(capsys, "show", "residual_sumsq")
+    assert code == 0
+    assert out == library.get("residual_sumsq").describe() + "\n"
+    assert "residual: tile (M, N)" in out and "sumsq = row_sumsq(h)" in out
+
+
+# ----------------------------------------------------------------------------- emit
+@pytest.mark.parametrize("name, flags", [
+    ("gemm", []),
+    ("swiglu", ["--gpu", "H100", "--dtype", "f16", "--majors", "mn", "--tile", "128x128", "--cluster", "1x2"]),
+    ("residual_sumsq", ["--tile", "64x256", "--cluster", "1x1", "--operand-dtype", "residual=f32"]),
+    ("rms_scale_gamma", ["--tile", "64x256", "--schedule", "pingpong", "--operand-dtype", "rstd=f32",
+                         "--operand-dtype", "gamma=bf16"]),
+])
+def test_emit_to_stdout_matches_render_and_its_header_command_round_trips(capsys, name, flags):
+    code, out, err = cli(capsys, "emit", name, *flags)
+    assert code == 0 and err == ""
+    parsed = build_parser().parse_args(["emit", name, *flags])
+    from coda_cute.cli import _config
+
+    program = library.get(name)
+    assert out == emit(program, _config(program, parsed))
+    compile(out, f"{name}.py", "exec")
+    argv = header_command(out)
+    assert argv[:3] == ["coda-cute", "emit", name]
+    code, again, _ = cli(capsys, *argv[1:])
+    assert code == 0 and again == out, "the header's command must regenerate the same kernel"
+
+
+def test_emit_flags_reach_the_kernel(capsys):
+    _, out, _ = cli(capsys, "emit", "rms_scale_gamma", "--gpu", "H20", "--dtype", "f16", "--majors", "mk",
+                    "--tile", "64x128", "--cluster", "1x1", "--operand-dtype", "rstd=f32")
+    config = KernelConfig(gpu="H20", dtype="f16", majors="mk", tile=(64, 128), cluster=(1, 1),
+                          operand_dtypes=(("rstd", "f32"),))
+    assert out == emit(library.get("rms_scale_gamma"), config)
+    assert "TILE_M, TILE_N, TILE_K = 64, 128" in out and "cutlass.Float16" in out
+    assert "in_rstd (M,) f32" in out and "in_gamma (N,) f16" in out
+
+
+def test_emit_writes_a_python_file(capsys, tmp_path):
+    target = tmp_path / "swiglu_kernel.py"
+    code, out, err = cli(capsys, "emit", "swiglu", "--tile", "128x128", "-o", str(target))
+    assert code == 0 and out == ""
+    assert str(target) in err
+    source = target.read_text()
+    compile(source, str(target), "exec")
+    assert "coda-cute kernel `swiglu`" in source
+    assert header_command(source) == shlex.split(
+        "coda-cute emit swiglu --arch sm_90a --gpu H200 --dtype bf16 --majors kk --tile 128x128 --cluster 2x1 "
+        "--schedule cooperative")
+
+
+@pytest.mark.compile
+def test_emit_compile_cross_compiles_without_a_gpu(capsys, tmp_path):
+    code, out, err = cli(capsys, "emit", "gemm", "--tile", "128x128", "--cluster", "1x1",
+                         "-o", str(tmp_path / "gemm.py"), "--compile")
+    assert code == 0, err
+    assert re.search(r"^compiled gemm for sm_90a in \d+\.\d\d s$", err, re.M), err
+
+
+# ----------------------------------------------------------------------------- inspect
+@pytest.mark.compile
+def test_inspect_shows_sass_and_register_report(capsys, tmp_path):
+    code, out, err = cli(capsys, "inspect", "swiglu", "--sass", "--regs", "--dump-dir", str(tmp_path / "dump"))
+    assert code == 0, err
+    assert out.startswith("# swiglu: sm_90a H200 (132 SMs)")
+    assert "# ---- SASS" in out and "HGMMA" in out and "UTMASTG" in out
+    registers = re.search(r"^registers: (\d+) per thread; spills: (\d+) bytes$", out, re.M)
+    assert registers, out[-2000:]
+    assert 0 < int(registers[1]) <= 255 and int(registers[2]) == 0
+    assert re.search(r"ptxas info\s*: Used \d+ registers", out)
+    assert "\x1b[" not in out, "terminal color codes leaked into the report"
+    assert list((tmp_path / "dump").glob("*.sass")), "--dump-dir keeps the artifacts"
+
+
+# ----------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("args, expected", [
+    (["emit", "no_such_program"], ["no library program named 'no_such_program'", "available:", "gemm", "swiglu"]),
+    (["show", "nope"], ["no library program named 'nope'"]),
+    (["emit", "gemm", "--tile", "12x"], ["tile '12x'", "128x256"]),
+    (["emit", "gemm", "--tile", "96x96"], ["tile 96x96 is not supported", "128x256", "64x128"]),
+    (["emit", "gemm", "--cluster", "4x4"], ["cluster 4x4 is not supported", "2x1"]),
+    (["emit", "gemm", "--arch", "sm_100a"], ["arch 'sm_100a' is not supported", "sm_90a"]),
+    (["emit", "gemm", "--gpu", "A100"], ["GPU 'A100'", "H200"]),
+    (["emit", "gemm", "--dtype", "f32"], ["input dtype 'f32'"]),
+    (["emit", "gemm", "--majors", "nk"], ["majors 'nk'"]),
+    (["emit", "gemm", "--schedule", "pingpong"], ["ping-pong", "64 rows"]),
+    (["emit", "gemm", "--schedule", "fast"], ["schedule 'fast'", "cooperative, pingpong"]),
+    (["precompile", "gemm", "--schedule", "fast"], ["schedule 'fast'"]),
+    (["precompile", "gemm", "--gpu", "A100"], ["GPU 'A100'"]),
+    (["precompile", "gemm", "--tile", "128x256", "--schedule", "pingpong"], ["nothing to precompile"]),
+    (["emit", "bias_gelu", "--operand-dtype", "bias"], ["expected NAME=DTYPE"]),
+    (["emit", "bias_gelu", "--operand-dtype", "gamma=f32"], ["no tensor operand 'gamma'", "bias"]),
+    (["emit", "bias_gelu", "--operand-dtype", "bias=fp8"], ["dtype 'fp8'", "bf16, f16, f32"]),
+    (["emit", "alpha_beta", "--operand-dtype", "alpha=f32"], ["'alpha' is a Scalar"]),
+    (["inspect", "gemm", "--tile", "1x"], ["tile '1x'"]),
+    (["precompile"], ["name the programs to precompile, or --all"]),
+    (["precompile", "gemm", "--all"], ["not both"]),
+    (["precompile", "gemm", "--jobs", "0"], ["--jobs 0"]),
+    (["precompile", "--all", "--operand-dtype", "nothing=f32"], ["'nothing'"]),
+    (["precompile", "gemm", "--tile", "128x256", "--tile", "96x96"], ["tile 96x96"]),
+])
+def test_user_errors_are_one_line_with_status_2(capsys, cache_dir, args, expected):
+    code, out, err = cli(capsys, *args)
+    assert code == 2
+    assert out == ""
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("coda-cute: error: "), err
+    for fragment in expected:
+        assert fragment in lines[0]
+    assert not cache_dir.exists(), "a rejected command compiled nothing"
+
+
+def test_usage_errors_and_help(capsys):
+    assert cli(capsys, "frobnicate")[0] == 2
+    code, out, _ = cli(capsys, "--help")
+    assert code == 0 and all(c in out for c in ("list", "show", "emit", "inspect", "cache", "precompile"))
+    code, out, _ = cli(capsys, "emit", "--help")
+    assert code == 0 and "--operand-dtype NAME=DTYPE" in out and "--compile" in out
+
+
+def _script_or_module(kind):
+    if kind == "module":
+        return [sys.executable, "-m", "coda_cute.cli"]
+    script = Path(sys.executable).parent / "coda-cute"
+    if not script.exists():
+        pytest.skip("the coda-cute console script is not installed in this environment")
+    return [str(script)]
+
+
+@pytest.mark.parametrize("kind", ["module", "script"])
+def test_real_process(kind, tmp_path):
+    """As a user runs it: exit statuses, stdout, and an error without a traceback."""
+    command = _script_or_module(kind)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               PYTHONWARNINGS="ignore", CODA_CUTE_CACHE_DIR=str(tmp_path / "cache"))
+    ok = subprocess.run(command + ["list", "--names"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.splitlines() == list(library.programs())
+    bad = subprocess.run(command + ["emit", "gemm", "--tile", "96x96"], capture_output=True, text=True,
+                         env=env, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.splitlines() == [
+        "coda-cute: error: tile 96x96 is not supported; choose one of 128x256, 128x128, 128x64, 64x256, 64x128"]
+
+
+# ----------------------------------------------------------------------------- cache / precompile
+def _runtime_key(name: str, m=1024, n=1024, k=64, **dtypes):
+    """The cache key a GPU call of Kernel(program) would ask for (computed on CPU tensors)."""
+    program = library.get(name)
+    a, b = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16)
+    operands = {}
+    for op in program.operands:
+        if op.kind == "scalar":
+            operands[op.name] = 1.0
+        else:
+            cols = int(n * op.width) if op.width is not None else None
+            shape = {"row": (m,), "col": (cols,), "tile": (m, cols), "table": (4, 8)}[op.kind]
+            operands[op.name] = torch.zeros(shape, dtype=dtypes.get(op.name, torch.bfloat16))
+    config = Kernel(program, gpu="H200").config_for(bind(program, a, b, operands))
+    return cache_key(program, config)
+
+
+@pytest.mark.parametrize("name", ["gemm", "swiglu", "swiglu_bwd", "residual_sumsq", "rms_scale_gamma", "alpha_beta"])
+def test_precompile_defaults_are_the_keys_the_runtime_asks_for(name):
+    """Without --tile/--cluster, precompile builds what Kernel picks for a large problem, under
+    the cache key a real call computes (operand dtypes spelled out as the runtime does)."""
+    [(program, config)] = precompile_requests(build_parser().parse_args(["precompile", name]))
+    assert cache_key(program, runtime_config(program, config)) == _runtime_key(name)
+
+
+def test_precompile_operand_dtype_reaches_the_key():
+    args = build_parser().parse_args(["precompile", "rms_scale_gamma", "--operand-dtype", "rstd=f32"])
+    [(program, config)] = precompile_requests(args)
+    assert cache_key(program, runtime_config(program, config)) == _runtime_key("rms_scale_gamma", rstd=torch.float32)
+    assert cache_key(program, runtime_config(program, config)) != _runtime_key("rms_scale_gamma")
+
+
+def test_precompile_cross_product_of_repeated_flags():
+    args = build_parser().parse_args(["precompile", "gemm", "swiglu", "--tile", "128x256", "--tile", "128x128",
+                                      "--cluster", "1x1", "--cluster", "2x1", "--dtype", "f16"])
+    pairs = precompile_requests(args)
+    assert len(pairs) == 2 * 2 * 2
+    assert {(p.name, c.tile, c.cluster, c.dtype) for p, c in pairs} == {
+        (n, t, c, "f16") for n in ("gemm", "swiglu") for t in ((128, 256), (128, 128)) for c in ((1, 1), (2, 1))}
+
+
+def test_precompile_cross_product_with_schedules():
+    args = build_parser().parse_args(["precompile", "gemm", "--tile", "128x256", "--tile", "64x256",
+                                      "--schedule", "cooperative", "--schedule", "pingpong"])
+    pairs = precompile_requests(args)
+    assert {(c.tile, c.schedule) for _, c in pairs} == {
+        (t, s) for t in ((128, 256), (64, 256)) for s in ("cooperative", "pingpong")}
+
+
+def test_precompile_api_skips_what_cannot_be_built(cache_dir):
+    results = precompile(["gemm"], [KernelConfig(tile=(96, 96)), KernelConfig(arch="sm_100a"),
+                                    KernelConfig(schedule="pingpong"),
+                                    KernelConfig(operand_dtypes=(("bias", "f32"),))], jobs=1)
+    assert [r.status for r in results] == ["skipped"] * 4
+    assert "tile (96, 96)" in results[0].message and "sm_100a" in results[1].message
+    assert "ping-pong" in results[2].message and "no tensor operand 'bias'" in results[3].message
+    assert not results[0].ok
+    assert not list_entries()
+
+
+def test_cache_commands_and_precompile(capsys, cache_dir):
+    code, out, _ = cli(capsys, "cache", "path")
+    assert code == 0 and out == f"{cache_dir}\n"
+    code, out, _ = cli(capsys, "cache", "ls")
+    assert code == 0 and out == f"no kernels cached in {cache_dir}\n"
+
+    code, out, err = cli(capsys, "precompile", "residual_sumsq", "--jobs", "1")
+    assert code == 0, err
+    (tm, tn), (cm, cn), schedule = runtime_defaults(library.get("residual_sumsq"))
+    assert re.search(rf"^\[1/1\] residual_sumsq bf16 kk tile {tm}x{tn} cluster {cm}x{cn} {schedule} H200: "
+                     r"\d+\.\d\d s \(compiled\)$",
+                     out, re.M), out
+    assert f"1 kernel in {cache_dir} (1 compiled, 0 already cached)" in out
+    [entry] = list_entries()
+    assert entry["program"] == "residual_sumsq"
+    assert entry["key"] == _runtime_key("residual_sumsq"), "a GPU call with bf16 tensors must find this kernel"
+    manifest = json.loads((Path(entry["path"]) / "manifest.json").read_text())
+    assert (Path(entry["path"]) / "kernel.o").stat().st_size > 0 and manifest["compile_seconds"] > 0
+
+    code, out, _ = cli(capsys, "cache", "ls")
+    assert code == 0
+    assert out.splitlines()[0] == f"1 kernel in {cache_dir}"
+    assert entry["key"][:12] in out and "residual_sumsq" in out and f"tile {tm}x{tn}, cluster {cm}x{cn}" in out
+
+    code, out, err = cli(capsys, "precompile", "residual_sumsq", "--jobs", "1")  # second time: loaded, not built
+    assert code == 0, err
+    assert re.search(r"^\[1/1\] residual_sumsq .*: \d+\.\d\d s \(disk\)$", out, re.M), out
+    assert "(0 compiled, 1 already cached)" in out
+
+    code, out, _ = cli(capsys, "cache", "clear")
+    assert code == 0 and out == f"removed 1 kernel from {cache_dir}\n"
+    assert cli(capsys, "cache", "ls")[1] == f"no kernels cached in {cache_dir}\n"
