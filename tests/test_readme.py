@@ -1,0 +1,19 @@
+"""The README's example runs as written (on CPU it takes the reference path)."""
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_example_runs(capsys):
+    [example] = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    exec(compile(example, "README.md", "exec"), {})
+    assert "torch.Size([512, 384]) torch.Size([512])" in capsys.readouterr().out
+
+
+def test_readme_quick_start_commands_are_the_ci_ones():
+    text = README.read_text()
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "python -m pytest -q" in text and "python -m pytest -q" in ci
+    assert "pip install torch==2.13.0" in text and "torch==2.13.0" in ci
