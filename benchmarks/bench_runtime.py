@@ -1,0 +1,100 @@
+"""Runtime costs of the call path: cold compile, warm load from disk, host overhead per call.
+
+    python benchmarks/bench_runtime.py [--out runtime.json]
+
+- cold compile: lower + render + cute.compile (+ export) of each library kernel, memory and
+  disk caches empty (the first call of a new key pays this);
+- warm load: a fresh process (after `import torch, cutlass`) loading the kernel from the
+  disk cache: goal < 50 ms;
+- host overhead: wall time per call of `Kernel(program)(a, b, ...)` on a tiny problem
+  (argument checks, output allocation, launch), next to `a @ b.t()` (cuBLAS), 2000 calls
+  each, synchronized once: goal within 10 us of cuBLAS.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import coda_cute as cc
+from coda_cute import cache, library
+from coda_cute.runtime import Kernel
+
+LOAD_SNIPPET = r"""
+import time, torch, cutlass
+t0 = time.perf_counter()
+from coda_cute import library
+from coda_cute.cache import get_kernel
+from coda_cute.config import KernelConfig
+entry = get_kernel(library.get({name!r}), KernelConfig(**{config!r}))
+print(entry.origin, time.perf_counter() - t0, entry.seconds)
+"""
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="runtime.json")
+    args = parser.parse_args()
+    os.environ["CODA_CUTE_CACHE_DIR"] = tempfile.mkdtemp(prefix="coda_cute_bench_cache_")
+    rows = []
+    for name, program in library.programs().items():
+        gen = torch.Generator().manual_seed(0)
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+        from test_gpu_kernels import _sized, make_inputs  # the GPU tests' operand generator
+
+        program = _sized(name, 1024)
+        a, b, ops = make_inputs(program, 128, 1024, 128, torch.bfloat16, gen)
+        kernel = Kernel(program)
+        t0 = time.perf_counter()
+        kernel(a, b, **ops)
+        torch.cuda.synchronize()
+        first_call = time.perf_counter() - t0
+        config = kernel.last.config
+        entry = cache.get_kernel(program, config)
+        cfg = dict(config.__dict__)
+        loads = []
+        for _ in range(3):
+            out = subprocess.run([sys.executable, "-c", LOAD_SNIPPET.format(name=name, config=cfg)],
+                                 capture_output=True, text=True, env=dict(os.environ))
+            origin, seconds, load = out.stdout.split()[-3:]
+            assert origin == "disk", out.stdout + out.stderr
+            loads.append(float(seconds))
+        rows.append({"program": name, "compile_s": round(entry.seconds, 3), "first_call_s": round(first_call, 3),
+                     "warm_load_ms": round(1000 * statistics.median(loads), 1)})
+        print(rows[-1], flush=True)
+
+    # host overhead on a tiny problem: the GPU finishes each kernel long before the next launch
+    a = torch.randn(128, 128, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(128, 128, device="cuda", dtype=torch.bfloat16)
+    overhead = {}
+    for label, program, ops in (("gemm", library.get("gemm"), {}),
+                                ("bias_gelu", library.get("bias_gelu"), {"bias": torch.randn(128, device="cuda")}),
+                                ("residual_sumsq", library.get("residual_sumsq"),
+                                 {"residual": torch.randn(128, 128, device="cuda", dtype=torch.bfloat16)})):
+        kernel = Kernel(program)
+        kernel(a, b, **ops)
+        samples = {"coda-cute": [], "cuBLAS": []}
+        for _ in range(5):
+            for key, fn in (("coda-cute", lambda: kernel(a, b, **ops)), ("cuBLAS", lambda: a @ b.t())):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(2000):
+                    fn()
+                torch.cuda.synchronize()
+                samples[key].append((time.perf_counter() - t0) / 2000 * 1e6)
+        overhead[label] = {k: round(statistics.median(v), 2) for k, v in samples.items()}
+        print(label, overhead[label], flush=True)
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "commit": os.environ.get("CODA_COMMIT", "unknown"), "command": "python benchmarks/bench_runtime.py"}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "kernels": rows, "host_overhead_us": overhead}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
