@@ -47,6 +47,7 @@ class Kernel:
         self.tile, self.cluster, self.schedule, self.gpu = tile, cluster, schedule, gpu
         self.launches = 0
         self.last: Launch | None = None
+        self._plans: dict = {}
 
     def config_for(self, problem: Problem) -> KernelConfig:
         """The configuration this call needs (specializes on dtypes, majors and GPU)."""
@@ -68,32 +69,114 @@ class Kernel:
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: dict | None = None,
                  return_partials: bool = False, **operands):
-        problem = bind(self.program, a, b, operands)
         if a.device.type != "cuda":
+            bind(self.program, a, b, operands)
             result = reference.evaluate(self.program, a, b, operands, tile=self.tile or (128, 256))
             self.last = Launch("reference", None, None)
             return _package(self.program, result.outputs, result.partials if return_partials else None, out)
-        config = self.config_for(problem)
-        check_kernel_arguments(problem, config)
-        outputs, partials = allocate_outputs(problem, config, out or {})
+        signature = _signature(a, b, operands, out)
+        plan = self._plans.get(signature)
+        if plan is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise ArgumentError(
+                    f"first call of {self.program.name!r} with these shapes/dtypes inside a CUDA graph capture: "
+                    "call it once before capturing (the kernel is compiled and loaded on the first call)"
+                )
+            plan = self.plan(a, b, operands, out)
+            self._plans[signature] = plan
+        else:
+            plan.check_pointers(a, b, operands, out)
+        result = plan.run(a, b, operands, out, return_partials)
+        self.launches += 1
+        self.last = Launch("kernel", plan.config, plan.key)
+        return result
+
+    def plan(self, a: torch.Tensor, b: torch.Tensor, operands: dict, out: dict | None) -> "CallPlan":
+        """Check one call completely and remember what every call with the same shapes needs."""
         from .cache import get_kernel
 
+        problem = bind(self.program, a, b, operands)
+        config = self.config_for(problem)
+        check_kernel_arguments(problem, config)
+        allocate_outputs(problem, config, out or {})  # validates out= (the tensors are made per call)
         entry = get_kernel(self.program, config)
-        args = [problem.a, problem.b]
-        args += [outputs[o.name] for o in self.program.tile_outputs]
-        args += [partials[o.name] for o in self.program.reductions]
-        args += [problem.operands[op.name] for op in self.program.operands]
-        with torch.cuda.device(a.device):
-            entry.function(*args)
-        self.launches += 1
-        self.last = Launch("kernel", config, entry.key)
-        finished = dict(outputs)
+        return CallPlan.build(self.program, problem, config, entry.function, entry.key)
+
+
+@dataclass
+class CallPlan:
+    """What a call with a given signature (shapes, strides, dtypes, devices) needs: everything
+    but the data pointers, which are checked per call.  Keeps the warm call path short."""
+
+    program: Program
+    config: KernelConfig
+    function: object
+    key: str
+    m: int
+    k: int
+    batch_shape: tuple
+    device: torch.device
+    outputs: list  # (name, cols, dtype)
+    partials: list  # (name, shape)
+    reshape: dict  # operand name -> shape its tensor is viewed as
+    aligned: list  # operand names whose data pointer must be 16-byte aligned
+
+    @classmethod
+    def build(cls, program: Program, problem: Problem, config: KernelConfig, function, key) -> "CallPlan":
+        tm, tn = config.tile
+        outputs = [(o.name, problem.cols(o.node.width), problem.storage_dtype(o.dtype)) for o in program.tile_outputs]
+        partials = []
+        for o in program.reductions:
+            tiles = -(-problem.m // tm) if o.axis == "col" else -(-problem.n // tn)
+            length = problem.m if o.axis == "row" else problem.cols(o.node.width)
+            partials.append((o.name, (tiles, length) if o.reduce != "logsumexp" else (2, tiles, length)))
+        reshape = {op.name: tuple(problem.operands[op.name].shape) for op in program.operands if op.kind != "scalar"}
+        aligned = [op.name for op in program.operands if op.kind == "tile"]
+        return cls(program, config, function, key, problem.m, problem.k, problem.batch_shape, problem.a.device,
+                   outputs, partials, reshape, aligned)
+
+    def check_pointers(self, a, b, operands: dict, out: dict | None) -> None:
+        for label, t in (("A", a), ("B", b), *((f"operand {n!r}", operands[n]) for n in self.aligned),
+                         *((f"out[{n!r}]", t) for n, t in (out or {}).items())):
+            if t.data_ptr() % 16:
+                raise ArgumentError(f"{label}'s data pointer is not 16-byte aligned (offset view?)")
+
+    def run(self, a, b, operands: dict, out: dict | None, return_partials: bool):
+        out = out or {}
+        args = [a.reshape(self.m, self.k), b]
+        results = {}
+        for name, cols, dtype in self.outputs:
+            t = out[name].reshape(self.m, cols) if name in out else torch.empty(self.m, cols, dtype=dtype, device=self.device)
+            results[name] = t
+            args.append(t)
+        partials = {name: torch.empty(shape, dtype=torch.float32, device=self.device) for name, shape in self.partials}
+        args += partials.values()
+        for op in self.program.operands:
+            value = operands[op.name]
+            args.append(value.reshape(self.reshape[op.name]) if op.kind in ("row", "tile") else value)
+        if self.device.type != "cuda" or self.device.index == torch.cuda.current_device():
+            self.function(*args)
+        else:
+            with torch.cuda.device(self.device):
+                self.function(*args)
         for o in self.program.reductions:
             value = reference.finish(o.reduce, partials[o.name])
-            finished[o.name] = value.reshape(problem.batch_shape) if o.axis == "row" else value
-        for o in self.program.tile_outputs:
-            finished[o.name] = finished[o.name].reshape(*problem.batch_shape, finished[o.name].shape[-1])
-        return _package(self.program, finished, partials if return_partials else None, None)
+            results[o.name] = value.reshape(self.batch_shape) if o.axis == "row" else value
+        for name, cols, _ in self.outputs:
+            results[name] = results[name].reshape(*self.batch_shape, cols)
+        return _package(self.program, results, partials if return_partials else None, None)
+
+
+def _tensor_signature(t):
+    return (t.dtype, t.device, tuple(t.shape), t.stride()) if isinstance(t, torch.Tensor) else type(t)
+
+
+def _signature(a, b, operands: dict, out: dict | None) -> tuple:
+    parts = [_tensor_signature(a), _tensor_signature(b)]
+    parts += [(name, _tensor_signature(operands[name])) for name in sorted(operands)]
+    if out:
+        parts += [("out", name, _tensor_signature(out[name])) for name in sorted(out)]
+    return tuple(parts)
 
 
 def _package(program: Program, outputs: dict, partials: dict | None, out: dict | None):

@@ -190,3 +190,26 @@ def test_runs_on_current_stream():
     stream.synchronize()
     ref = cc.evaluate(program, a, b, ops).outputs["D"]
     assert_close("D", out, ref, *TOLERANCE[torch.bfloat16])
+
+
+def test_second_call_reuses_the_plan_with_new_data():
+    program = library.get("residual_sumsq")
+    kernel = Kernel(program)
+    gen = torch.Generator().manual_seed(11)
+    for call in range(3):
+        a, b, ops = make_inputs(program, 300, 528, 200, torch.bfloat16, gen)
+        got = kernel(a, b, **ops)
+        ref = cc.evaluate(program, a, b, ops)
+        assert_close(f"D (call {call})", got["D"], ref.outputs["D"], *TOLERANCE[torch.bfloat16])
+        assert_close(f"sumsq (call {call})", got["sumsq"], ref.outputs["sumsq"], *REDUCTION_TOLERANCE)
+    assert kernel.launches == 3 and len(kernel._plans) == 1
+
+
+def test_misaligned_pointer_is_rejected_on_a_warm_plan():
+    program = library.get("gemm")
+    kernel = Kernel(program)
+    a = torch.randn(64, 72, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    kernel(a[:, :64], b)  # warm: a view with 16-byte aligned rows and base
+    with pytest.raises(cc.ArgumentError, match="16-byte aligned"):
+        kernel(a[:, 1:65], b)  # same shape and strides, base off by 2 bytes

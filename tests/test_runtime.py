@@ -1,0 +1,81 @@
+"""The runtime's call plans on the CPU: argument order and shapes handed to the kernel,
+output allocation, finishing of reductions, and which calls share a plan.  (The kernel
+itself is replaced by a stand-in that computes the program with the reference; the GPU
+tests run the real one.)"""
+
+import torch
+
+import coda_cute as cc
+from coda_cute import library, reference
+from coda_cute.arguments import bind
+from coda_cute.config import KernelConfig
+from coda_cute.runtime import CallPlan, Kernel, _signature
+
+
+def _stand_in(program, tile):
+    """A 'kernel' writing what the generated one writes: outputs and per-tile partials."""
+    calls = []
+
+    def launch(*args):
+        calls.append([tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args])
+        a, b = args[0], args[1]
+        rest = list(args[2:])
+        outs = [rest.pop(0) for _ in program.tile_outputs]
+        parts = [rest.pop(0) for _ in program.reductions]
+        operands = {op.name: rest.pop(0) for op in program.operands}
+        ref = reference.evaluate(program, a, b, operands, tile=tile)
+        for o, t in zip(program.tile_outputs, outs):
+            t.copy_(ref.outputs[o.name])
+        for o, t in zip(program.reductions, parts):
+            t.copy_(ref.partials[o.name])
+
+    return launch, calls
+
+
+def test_plan_passes_the_host_functions_arguments_and_finishes_reductions():
+    program = library.get("residual_sumsq")
+    config = KernelConfig(tile=(128, 256))
+    a = torch.randn(2, 150, 64, dtype=torch.bfloat16)  # batch dims flattened into M = 300
+    b = torch.randn(272, 64, dtype=torch.bfloat16)
+    residual = torch.randn(2, 150, 272, dtype=torch.bfloat16)
+    launch, calls = _stand_in(program, config.tile)
+    plan = CallPlan.build(program, bind(program, a, b, {"residual": residual}), config, launch, "key")
+    outputs = plan.run(a, b, {"residual": residual}, None, return_partials=False)
+    assert calls == [[(300, 64), (272, 64), (300, 272), (2, 300), (300, 272)]]
+    want = cc.evaluate(program, a, b, {"residual": residual})
+    assert outputs["D"].shape == (2, 150, 272) and outputs["sumsq"].shape == (2, 150)
+    torch.testing.assert_close(outputs["D"], want.outputs["D"], rtol=0, atol=0)
+    torch.testing.assert_close(outputs["sumsq"], want.outputs["sumsq"], rtol=1e-5, atol=1e-4)
+
+
+def test_plan_writes_into_caller_outputs_and_returns_partials():
+    program = library.get("swiglu_save")
+    config = KernelConfig(tile=(128, 128))
+    a, b = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(48, 32, dtype=torch.bfloat16)
+    buffer = torch.zeros(64, 40, dtype=torch.bfloat16)
+    launch, _ = _stand_in(program, config.tile)
+    plan = CallPlan.build(program, bind(program, a, b, {}), config, launch, "key")
+    outputs, partials = plan.run(a, b, {}, {"D": buffer[:, 8:32]}, return_partials=True)
+    assert partials == {}
+    assert outputs["D"].data_ptr() == buffer[:, 8:32].data_ptr()
+    assert (buffer[:, :8] == 0).all() and (buffer[:, 32:] == 0).all()
+    torch.testing.assert_close(outputs["D"], cc.evaluate(program, a, b).outputs["D"], rtol=0, atol=0)
+
+
+def test_signature_separates_what_changes_the_plan():
+    a = torch.randn(64, 32)
+    b = torch.randn(48, 32)
+    base = _signature(a, b, {}, None)
+    assert _signature(torch.randn(64, 32), torch.randn(48, 32), {}, None) == base  # new data, same plan
+    assert _signature(a.t().contiguous().t(), b, {}, None) != base  # other strides
+    assert _signature(a.bfloat16(), b, {}, None) != base
+    assert _signature(a[:32], b, {}, None) != base
+    assert _signature(a, b, {"bias": torch.randn(48)}, None) != base
+
+
+def test_cpu_tensors_run_the_reference():
+    kernel = Kernel(library.get("bias_gelu"))
+    a, b, bias = torch.randn(10, 16), torch.randn(24, 16), torch.randn(24)
+    out = kernel(a, b, bias=bias)
+    assert kernel.last.path == "reference" and kernel.launches == 0
+    torch.testing.assert_close(out, torch.nn.functional.gelu(a @ b.t() + bias))
