@@ -22,7 +22,6 @@ import time
 
 import torch
 
-import coda_cute as cc
 from coda_cute import cache, library
 from coda_cute.runtime import Kernel
 

@@ -12,12 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from coda_cute import library
-from coda_cute.cli import runtime_defaults
 import torch
 
 from coda_cute import library
+from coda_cute.cli import runtime_defaults
 from coda_cute.arguments import bind
 from coda_cute.cache import cache_key, list_entries
 from coda_cute.cli import build_parser, main, precompile, precompile_requests, runtime_config
