@@ -64,3 +64,19 @@ def test_persistent_grid_is_bounded_by_the_sm_count(tmp_path):
             ctas = module.MAX_ACTIVE_CLUSTERS * module.CLUSTER_M * module.CLUSTER_N
             assert ctas <= module.SM_COUNT == GPUS[gpu]
             assert "get_grid_shape(scheduler_params, MAX_ACTIVE_CLUSTERS)" in emit(library.get("gemm"), config)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_composition_compiles_without_spills(seed, tmp_path):
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from random_programs import random_program
+
+    program = random_program(seed)
+    config = KernelConfig(tile=(64, 256), cluster=(1, 2), schedule="pingpong") if seed % 2 else KernelConfig()
+    compiled = compile_program(program, config, keep=("sass",), dump_dir=tmp_path / "dump",
+                               source_dir=tmp_path / "src", report=True)
+    sass = compiled.artifacts["sass"].read_text()
+    assert "HGMMA" in sass and "LDL" not in sass and "STL" not in sass
+    assert compiled.spill_bytes == 0

@@ -213,3 +213,16 @@ def test_misaligned_pointer_is_rejected_on_a_warm_plan():
     kernel(a[:, :64], b)  # warm: a view with 16-byte aligned rows and base
     with pytest.raises(cc.ArgumentError, match="16-byte aligned"):
         kernel(a[:, 1:65], b)  # same shape and strides, base off by 2 bytes
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_composition(seed):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from random_programs import random_program
+
+    schedule, tile = (("pingpong", (64, 256)) if seed % 3 == 0 else ("cooperative", None))
+    run_and_compare(random_program(seed), 300, 528, 200, tile=tile, cluster=(2, 1) if tile else None,
+                    schedule=schedule if tile else None, seed=seed)
