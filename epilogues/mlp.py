@@ -44,3 +44,15 @@ def swiglu_bwd_recompute(acc, preact: cc.Tile["2N"]):
     dgate = acc * up * sig * (1.0 + gate * (1.0 - sig))
     dup = acc * silu_gate
     return {"D": cc.interleave(dgate, dup), "h": silu_gate * up}
+
+
+@cc.epilogue
+def rms_swiglu_save(acc, rstd: cc.RowVec):
+    """RMSNorm'd gate/up GEMM + SwiGLU: z = rstd[row] * (h @ (W * gamma).T), D = silu(gate) * up.
+
+    The norm's gain gamma is folded into the weight along K; its per-row scale is applied
+    here. The pre-activation z (interleaved gate, up) is also stored for the backward pass.
+    """
+    z = acc * rstd
+    gate, up = cc.pairs(z)
+    return {"D": cc.silu(gate) * up, "preact": z}

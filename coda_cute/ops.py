@@ -1,0 +1,81 @@
+"""Programs as PyTorch operators: ``torch.ops.coda_cute.<program>`` with fake implementations.
+
+    op = coda_cute.ops.library_op(program)        # registers coda_cute::<name> once
+    d, sumsq = op(a, b, residual)                  # operands in program order, then outputs
+
+Each op takes A, B and the program's operands in declaration order (tensors, or floats for
+scalars) and returns the outputs in declaration order (tile outputs in their dtype,
+reductions finished in fp32).  The fake (meta) implementation gives shapes and dtypes
+without running anything, so ``torch.compile(fullgraph=True)`` traces through calls.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+
+import torch
+
+from .program import Program
+from .runtime import Kernel
+
+_OPS: dict[str, object] = {}
+_LOCK = threading.Lock()
+
+
+def library_op(program: Program):
+    """The registered custom op for ``program`` (one per program name and fingerprint)."""
+    with _LOCK:
+        known = _OPS.get(program.name)
+        if known is not None:
+            if known.program.fingerprint != program.fingerprint:
+                raise ValueError(f"a different program named {program.name!r} is already registered as an op")
+            return known
+        op = _register(program)
+        _OPS[program.name] = op
+        return op
+
+
+def _register(program: Program):
+    kernel = Kernel(program)
+    names = [op.name for op in program.operands]
+    outputs = program.outputs
+
+    def impl(a, b, *operands):
+        result = kernel(a, b, **dict(zip(names, operands)))
+        if len(outputs) == 1:
+            return result.clone() if _aliases(result, a, b, operands) else result
+        return tuple(result[o.name] for o in outputs)
+
+    def fake(a, b, *operands):
+        batch, n = tuple(a.shape[:-1]), b.shape[0]
+        made = []
+        for o in outputs:
+            cols = n * o.node.width.numerator // o.node.width.denominator  # n may be symbolic
+            if o.is_reduction:
+                made.append(a.new_empty(batch if o.axis == "row" else (cols,), dtype=torch.float32))
+            else:
+                dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}.get(o.dtype, a.dtype)
+                made.append(a.new_empty((*batch, cols), dtype=dtype))
+        return made[0] if len(made) == 1 else tuple(made)
+
+    params = [inspect.Parameter("a", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.Tensor),
+              inspect.Parameter("b", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.Tensor)]
+    params += [inspect.Parameter(op.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                 annotation=float if op.kind == "scalar" else torch.Tensor) for op in program.operands]
+    returns = torch.Tensor if len(outputs) == 1 else tuple.__class_getitem__((torch.Tensor,) * len(outputs))
+    signature = inspect.Signature(params, return_annotation=returns)
+    for function in (impl, fake):
+        function.__signature__ = signature
+        function.__annotations__ = {p.name: p.annotation for p in params} | {"return": returns}
+    op = torch.library.custom_op(f"coda_cute::{program.name}", impl, mutates_args=())
+    op.register_fake(fake)
+    op.program = program
+    op.kernel = kernel
+    return op
+
+
+def _aliases(result, a, b, operands) -> bool:
+    """A custom op may not return one of its inputs (the reference path can, e.g. for `gemm` of views)."""
+    ptr = result.data_ptr()
+    return any(isinstance(t, torch.Tensor) and t.data_ptr() == ptr for t in (a, b, *operands))
