@@ -1,0 +1,87 @@
+"""LlamaMLP (the CODA rewrite: two fused GEMMs forward, fused dgrads backward) against
+PyTorch autograd of the unfused block, on the CPU (every program runs in the reference
+interpreter there; tests/test_gpu_nn.py checks the kernels)."""
+
+import pytest
+import torch
+
+from coda_cute.nn import LlamaMLP, interleave_gate_up, llama_mlp_reference, split_gate_up
+
+# fp32 on both sides; the fused path rounds nothing extra at fp32, so differences are
+# accumulation order only
+RTOL, ATOL = 2e-4, 2e-5
+
+
+def _pair(d, ffn, gen, eps=1e-6):
+    module = LlamaMLP(d, ffn, eps=eps, dtype=torch.float32)
+    with torch.no_grad():
+        module.gamma.copy_(torch.rand(d, generator=gen) + 0.5)
+        module.w_gate_up.copy_(torch.randn(2 * ffn, d, generator=gen) * d ** -0.5)
+        module.w_down.copy_(torch.randn(d, ffn, generator=gen) * ffn ** -0.5)
+    return module
+
+
+@pytest.mark.parametrize("shape", [(37, 24, 40), (2, 9, 16, 32)], ids=["ragged", "batched"])
+def test_forward_and_every_gradient_match_autograd(shape, gen):
+    *batch, d, ffn = shape
+    module = _pair(d, ffn, gen)
+    h = torch.randn(*batch, d, generator=gen, requires_grad=True)
+    out, sumsq = module(h)
+    grad = torch.randn(out.shape, generator=gen)
+    (out * grad).sum().backward()
+
+    gate, up = split_gate_up(module.w_gate_up.detach())
+    params = [module.gamma.detach().clone().requires_grad_(), gate.clone().requires_grad_(),
+              up.clone().requires_grad_(), module.w_down.detach().clone().requires_grad_()]
+    h_ref = h.detach().clone().requires_grad_()
+    ref = llama_mlp_reference(h_ref, *params, module.eps)
+    (ref * grad).sum().backward()
+
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(sumsq, ref.detach().square().sum(-1), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(module.gamma.grad, params[0].grad, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(module.w_gate_up.grad, interleave_gate_up(params[1].grad, params[2].grad),
+                               rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(module.w_down.grad, params[3].grad, rtol=RTOL, atol=ATOL)
+
+
+def test_chained_blocks_reuse_the_residual_statistics(gen):
+    """Block 2 takes block 1's sumsq instead of reducing h again; gradients still match."""
+    d, ffn = 24, 40
+    first, second = _pair(d, ffn, gen), _pair(d, ffn, gen)
+    h = torch.randn(13, d, generator=gen, requires_grad=True)
+    mid, stats = first(h)
+    out, _ = second(mid, stats)
+    out.sum().backward()
+
+    h_ref = h.detach().clone().requires_grad_()
+    ref = h_ref
+    for block in (first, second):
+        gate, up = split_gate_up(block.w_gate_up.detach())
+        ref = llama_mlp_reference(ref, block.gamma.detach(), gate, up, block.w_down.detach(), block.eps)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_hugging_face_weights_round_trip(gen):
+    d, ffn = 16, 24
+    norm, gate, up, down = (torch.randn(d, generator=gen), torch.randn(ffn, d, generator=gen),
+                            torch.randn(ffn, d, generator=gen), torch.randn(d, ffn, generator=gen))
+    module = LlamaMLP(d, ffn, dtype=torch.float32).load_hf(norm, gate, up, down)
+    assert torch.equal(module.w_gate_up[0::2], gate) and torch.equal(module.w_gate_up[1::2], up)
+    back = module.hf_weights()
+    for key, want in (("post_attention_layernorm.weight", norm), ("mlp.gate_proj.weight", gate),
+                      ("mlp.up_proj.weight", up), ("mlp.down_proj.weight", down)):
+        assert torch.equal(back[key], want), key
+    with pytest.raises(ValueError, match="one shape"):
+        interleave_gate_up(gate, up[:-1])
+
+
+def test_compiles_with_fullgraph(gen):
+    module = _pair(16, 24, gen)
+    h = torch.randn(10, 16, generator=gen)
+    eager = module(h)[0]
+    compiled = torch.compile(lambda x: module(x)[0], fullgraph=True)
+    torch.testing.assert_close(compiled(h), eager, rtol=RTOL, atol=ATOL)
