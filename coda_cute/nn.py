@@ -19,8 +19,15 @@ backward (dh_out)
   8. dW_gate_up = dz.T @ x with x = h * rstd * gamma recomputed (an elementwise pass; the
      normalized input is not saved), and dh = dh_out + D - h * rstd^2 * rowdot / d (elementwise).
 
-On CPU tensors every program runs in the reference interpreter, so the module also
-works (slowly) without a GPU.  The gate/up weight holds gate and up rows interleaved:
+``LlamaAttention`` does the same for the attention half: `rms_rope_qkv` (norm scale and
+RoPE in the QKV GEMM's epilogue; q/k weight rows in interleaved-pair order, see
+``rotate_half_to_interleaved``), PyTorch SDPA for attention itself, and `residual_sumsq`
+for the O projection.  RoPE's backward (the inverse rotation of dq, dk) acts on the QKV
+dgrad's *input*, so it runs as one elementwise pass before that GEMM.
+``LlamaBlock`` chains the two, passing the residual statistics from one to the next.
+
+On CPU tensors every program runs in the reference interpreter, so the modules also
+work (slowly) without a GPU.  The gate/up weight holds gate and up rows interleaved:
 ``interleave_gate_up`` / ``split_gate_up`` convert from and to the usual two matrices.
 """
 
@@ -46,6 +53,25 @@ def split_gate_up(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return w[0::2], w[1::2]
 
 
+def rotate_half_to_interleaved(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Reorder q or k projection rows from the rotate-half convention (Hugging Face Llama: pairs
+    (i, i + head_dim/2) per head) into interleaved pairs (2i, 2i + 1), which one thread holds."""
+    heads = _heads(w, head_dim)
+    return w.reshape(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def interleaved_to_rotate_half(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Inverse of ``rotate_half_to_interleaved``."""
+    heads = _heads(w, head_dim)
+    return w.reshape(heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def _heads(w: torch.Tensor, head_dim: int) -> int:
+    if head_dim % 2 or w.shape[0] % head_dim:
+        raise ValueError(f"{w.shape[0]} rows are not whole heads of an even head_dim {head_dim}")
+    return w.shape[0] // head_dim
+
+
 # registered at import, so torch.compile traces straight to the ops (no file access while tracing)
 _OPS = {name: library_op(library.get(name))
         for name in ("rms_swiglu_save", "residual_sumsq", "swiglu_bwd_recompute", "rmsnorm_bwd", "gemm")}
@@ -55,11 +81,8 @@ class _LlamaMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, sumsq, gamma, w_gate_up, w_down, eps):
         ops = _OPS
-        d = h.shape[-1]
-        h2 = h.reshape(-1, d)
-        if sumsq is None:
-            sumsq = h2.float().square().sum(-1)
-        rstd = torch.rsqrt(sumsq.reshape(-1) / d + eps)
+        h2 = h.reshape(-1, h.shape[-1])
+        rstd = _rstd(h2, sumsq, eps)
         w_folded = (w_gate_up.float() * gamma.float()).to(w_gate_up.dtype)
         a, z = ops["rms_swiglu_save"](h2, w_folded, rstd)
         h_out, sumsq_out = ops["residual_sumsq"](a, w_down, h2)
@@ -76,12 +99,36 @@ class _LlamaMLPFunction(torch.autograd.Function):
         dy = dh_out.reshape(-1, d).to(h.dtype).contiguous()
         dz, a = ops["swiglu_bwd_recompute"](dy, w_down.t(), z)
         dw_down = ops["gemm"](dy.t(), a.t())
-        dx_scaled, rowdot, dgamma = ops["rmsnorm_bwd"](dz, w_gate_up.t(), h, rstd, gamma)
-        x = (h.float() * rstd[:, None] * gamma.float()).to(h.dtype)
-        dw_gate_up = ops["gemm"](dz.t(), x.t())
-        correction = (rstd * rstd * rowdot / d)[:, None]
-        dh = dy.float() + dx_scaled.float() - h.float() * correction
-        return (dh.to(dh_out.dtype).reshape(ctx.shape), None, dgamma.to(gamma.dtype), dw_gate_up, dw_down, None)
+        dh, dgamma, dw_gate_up = _rmsnorm_backward(ops, dz, w_gate_up, h, rstd, gamma, dy)
+        return dh.to(dh_out.dtype).reshape(ctx.shape), None, dgamma, dw_gate_up, dw_down, None
+
+
+def _rmsnorm_backward(ops, d_pre, w, h, rstd, gamma, dh_residual=None):
+    """Gradients through `rstd * (h @ (w * gamma).T)` given d_pre, the gradient of its output:
+    (dh, dgamma, dw).  The dgrad's epilogue produces the norm's statistics (`rmsnorm_bwd`)."""
+    d = h.shape[-1]
+    dx_scaled, rowdot, dgamma = ops["rmsnorm_bwd"](d_pre, w.t(), h, rstd, gamma)
+    x = (h.float() * rstd[:, None] * gamma.float()).to(h.dtype)  # recomputed, not saved
+    dw = ops["gemm"](d_pre.t(), x.t())
+    dh = dx_scaled.float() - h.float() * (rstd * rstd * rowdot / d)[:, None]
+    if dh_residual is not None:
+        dh = dh + dh_residual.float()
+    return dh, dgamma.to(gamma.dtype), dw
+
+
+def _rstd(h2: torch.Tensor, sumsq, eps: float) -> torch.Tensor:
+    if sumsq is None:  # the first block: no GEMM produced the statistics
+        sumsq = h2.float().square().sum(-1)
+    return torch.rsqrt(sumsq.reshape(-1) / h2.shape[-1] + eps)
+
+
+def _check_tokens(h: torch.Tensor, who: str) -> None:
+    tokens = h.numel() // h.shape[-1]
+    if h.is_cuda and tokens % 8:
+        raise ArgumentError(
+            f"{who} on the GPU needs the number of tokens (all dims of h but the last) to be a multiple "
+            f"of 8, got {tokens}: the weight-gradient GEMMs reduce over tokens and TMA needs 16-byte rows"
+        )
 
 
 class LlamaMLP(nn.Module):
@@ -102,12 +149,7 @@ class LlamaMLP(nn.Module):
         nn.init.normal_(self.w_down, std=ffn ** -0.5)
 
     def forward(self, h: torch.Tensor, sumsq: torch.Tensor | None = None):
-        tokens = h.numel() // h.shape[-1]
-        if h.is_cuda and tokens % 8:
-            raise ArgumentError(
-                f"LlamaMLP on the GPU needs the number of tokens (all dims of h but the last) to be a multiple "
-                f"of 8, got {tokens}: the weight-gradient GEMMs reduce over tokens and TMA needs 16-byte rows"
-            )
+        _check_tokens(h, "LlamaMLP")
         return _LlamaMLPFunction.apply(h, sumsq, self.gamma, self.w_gate_up, self.w_down, self.eps)
 
     @torch.no_grad()
@@ -124,6 +166,159 @@ class LlamaMLP(nn.Module):
         gate, up = split_gate_up(self.w_gate_up.detach())
         return {"post_attention_layernorm.weight": self.gamma.detach(), "mlp.gate_proj.weight": gate,
                 "mlp.up_proj.weight": up, "mlp.down_proj.weight": self.w_down.detach()}
+
+
+def _rope_op(rotary_cols: int):
+    return library_op(library.get("rms_rope_qkv").with_constants(rotary_cols=rotary_cols))
+
+
+def _rope_inverse(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_cols: int) -> torch.Tensor:
+    """Rotate interleaved column pairs of the first `rotary_cols` columns back (RoPE backward)."""
+    dz = dy.float().clone()
+    pairs = rotary_cols // 2
+    rows = torch.arange(dy.shape[0], device=dy.device) % cos.shape[0]
+    cols = torch.arange(pairs, device=dy.device) % cos.shape[1]
+    c, s = cos[rows[:, None], cols[None, :]].float(), sin[rows[:, None], cols[None, :]].float()
+    y0, y1 = dz[:, 0:rotary_cols:2], dz[:, 1:rotary_cols:2]
+    dz[:, 0:rotary_cols:2], dz[:, 1:rotary_cols:2] = y0 * c + y1 * s, y1 * c - y0 * s
+    return dz
+
+
+class _NormQKVRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, sumsq, gamma, w_qkv, cos, sin, rotary_cols, eps):
+        h2 = h.reshape(-1, h.shape[-1])
+        rstd = _rstd(h2, sumsq, eps)
+        w_folded = (w_qkv.float() * gamma.float()).to(w_qkv.dtype)
+        qkv = _rope_op(rotary_cols)(h2, w_folded, rstd, cos, sin)
+        ctx.save_for_backward(h2, rstd, gamma, w_qkv, cos, sin)
+        ctx.rotary_cols, ctx.shape = rotary_cols, h.shape
+        return qkv
+
+    @staticmethod
+    def backward(ctx, dqkv):
+        h, rstd, gamma, w_qkv, cos, sin = ctx.saved_tensors
+        d_pre = _rope_inverse(dqkv, cos, sin, ctx.rotary_cols).to(h.dtype)
+        dh, dgamma, dw = _rmsnorm_backward(_OPS, d_pre, w_qkv, h, rstd, gamma)
+        return dh.to(dqkv.dtype).reshape(ctx.shape), None, dgamma, dw, None, None, None, None
+
+
+class _LinearResidual(torch.autograd.Function):
+    """h_out = residual + x @ w.T, with the next norm's per-row sum of squares."""
+
+    @staticmethod
+    def forward(ctx, x, w, residual):
+        x2, r2 = x.reshape(-1, x.shape[-1]), residual.reshape(-1, residual.shape[-1])
+        h_out, sumsq = _OPS["residual_sumsq"](x2, w, r2)
+        ctx.save_for_backward(x2, w)
+        ctx.shapes = (x.shape, residual.shape)
+        ctx.mark_non_differentiable(sumsq)
+        return h_out.reshape(residual.shape), sumsq.reshape(residual.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, dh_out, _dsumsq):
+        x, w = ctx.saved_tensors
+        dy = dh_out.reshape(-1, dh_out.shape[-1]).to(x.dtype).contiguous()
+        dx = _OPS["gemm"](dy, w.t())
+        dw = _OPS["gemm"](dy.t(), x.t())
+        return dx.reshape(ctx.shapes[0]), dw, dh_out
+
+
+class LlamaAttention(nn.Module):
+    """RMSNorm + QKV projection with RoPE + causal attention (PyTorch SDPA) + O projection and
+    residual, as fused GEMM+epilogue programs.  ``forward(h, sumsq=None) -> (h_out, sumsq_out)``
+    with h of shape (batch, seq, d).  q and k weight rows are stored in interleaved-pair order
+    (``load_hf`` converts); grouped-query attention when n_kv_heads < n_heads."""
+
+    def __init__(self, d: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None,
+                 eps: float = 1e-6, rope_theta: float = 10000.0, max_positions: int = 4096,
+                 dtype=torch.bfloat16, device=None):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads or n_heads
+        self.head_dim = head_dim or d // n_heads
+        self.d, self.eps = d, eps
+        rows = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        self.gamma = nn.Parameter(torch.ones(d, dtype=dtype, device=device))
+        self.w_qkv = nn.Parameter(torch.empty(rows, d, dtype=dtype, device=device))
+        self.w_o = nn.Parameter(torch.empty(d, self.n_heads * self.head_dim, dtype=dtype, device=device))
+        nn.init.normal_(self.w_qkv, std=d ** -0.5)
+        nn.init.normal_(self.w_o, std=(self.n_heads * self.head_dim) ** -0.5)
+        inv_freq = rope_theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim)
+        angles = torch.arange(max_positions, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, h: torch.Tensor, sumsq: torch.Tensor | None = None):
+        batch, seq, _ = h.shape
+        _check_tokens(h, "LlamaAttention")
+        hd, nq, nkv = self.head_dim, self.n_heads, self.n_kv_heads
+        rotary_cols = (nq + nkv) * hd
+        qkv = _NormQKVRope.apply(h, sumsq, self.gamma, self.w_qkv, self.cos[:seq], self.sin[:seq], rotary_cols, self.eps)
+        q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k, v = (t.reshape(batch, seq, -1, hd).transpose(1, 2) for t in (q, k, v))
+        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nq != nkv)
+        attn = attn.transpose(1, 2).reshape(batch, seq, nq * hd)
+        return _LinearResidual.apply(attn, self.w_o, h)
+
+    @torch.no_grad()
+    def load_hf(self, norm_weight, q_proj, k_proj, v_proj, o_proj) -> "LlamaAttention":
+        """Take a Hugging Face Llama layer's input_layernorm.weight and self_attn.{q,k,v,o}_proj.weight."""
+        self.gamma.copy_(norm_weight)
+        self.w_qkv.copy_(torch.cat([rotate_half_to_interleaved(q_proj, self.head_dim),
+                                    rotate_half_to_interleaved(k_proj, self.head_dim), v_proj]))
+        self.w_o.copy_(o_proj)
+        return self
+
+    def hf_weights(self) -> dict:
+        hd, nq, nkv = self.head_dim, self.n_heads, self.n_kv_heads
+        q, k, v = self.w_qkv.detach().split([nq * hd, nkv * hd, nkv * hd])
+        return {"input_layernorm.weight": self.gamma.detach(),
+                "self_attn.q_proj.weight": interleaved_to_rotate_half(q, hd),
+                "self_attn.k_proj.weight": interleaved_to_rotate_half(k, hd),
+                "self_attn.v_proj.weight": v, "self_attn.o_proj.weight": self.w_o.detach()}
+
+
+class LlamaBlock(nn.Module):
+    """A pre-norm Llama decoder block: attention then MLP, each with its residual; the residual
+    GEMMs hand each norm its statistics.  ``forward(h, sumsq=None) -> (h_out, sumsq_out)``."""
+
+    def __init__(self, d: int, n_heads: int, ffn: int, n_kv_heads: int | None = None, eps: float = 1e-6,
+                 dtype=torch.bfloat16, device=None, **attention):
+        super().__init__()
+        self.attention = LlamaAttention(d, n_heads, n_kv_heads, eps=eps, dtype=dtype, device=device, **attention)
+        self.mlp = LlamaMLP(d, ffn, eps=eps, dtype=dtype, device=device)
+
+    def forward(self, h: torch.Tensor, sumsq: torch.Tensor | None = None):
+        h, sumsq = self.attention(h, sumsq)
+        return self.mlp(h, sumsq)
+
+    def load_hf(self, layer: dict) -> "LlamaBlock":
+        """From a Hugging Face Llama decoder layer's state dict (keys without the layer prefix)."""
+        self.attention.load_hf(layer["input_layernorm.weight"], layer["self_attn.q_proj.weight"],
+                               layer["self_attn.k_proj.weight"], layer["self_attn.v_proj.weight"],
+                               layer["self_attn.o_proj.weight"])
+        self.mlp.load_hf(layer["post_attention_layernorm.weight"], layer["mlp.gate_proj.weight"],
+                         layer["mlp.up_proj.weight"], layer["mlp.down_proj.weight"])
+        return self
+
+    def hf_weights(self) -> dict:
+        return {**self.attention.hf_weights(), **self.mlp.hf_weights()}
+
+
+def llama_attention_reference(h, gamma, wq, wk, wv, wo, n_heads, n_kv_heads, head_dim, cos, sin, eps):
+    """Hugging Face-style attention half (rotate-half RoPE on unpermuted weights) in plain PyTorch."""
+    batch, seq, _ = h.shape
+    x = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * gamma
+    q, k, v = ((x @ w.t()).reshape(batch, seq, -1, head_dim).transpose(1, 2) for w in (wq, wk, wv))
+    cos_full, sin_full = torch.cat([cos[:seq], cos[:seq]], -1), torch.cat([sin[:seq], sin[:seq]], -1)
+
+    def rotate(t):
+        half = t.shape[-1] // 2
+        return t * cos_full + torch.cat([-t[..., half:], t[..., :half]], -1) * sin_full
+
+    attn = torch.nn.functional.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True,
+                                                            enable_gqa=n_heads != n_kv_heads)
+    return h + attn.transpose(1, 2).reshape(batch, seq, -1) @ wo.t()
 
 
 def llama_mlp_reference(h, gamma, w_gate, w_up, w_down, eps):

@@ -1,4 +1,4 @@
-"""Programs as PyTorch operators: ``torch.ops.coda_cute.<program>`` with fake implementations.
+"""Programs as PyTorch operators: ``torch.ops.coda_cute.<program>_<fingerprint>`` with fake implementations.
 
     op = coda_cute.ops.library_op(program)        # registers coda_cute::<name> once
     d, sumsq = op(a, b, residual)                  # operands in program order, then outputs
@@ -23,20 +23,21 @@ _OPS: dict[str, object] = {}
 _LOCK = threading.Lock()
 
 
+def op_name(program: Program) -> str:
+    """The op's name: the program's, plus its fingerprint so variants (with_constants) coexist."""
+    return f"{program.name}_{program.fingerprint[:10]}"
+
+
 def library_op(program: Program):
-    """The registered custom op for ``program`` (one per program name and fingerprint)."""
+    """The registered custom op for ``program`` (one per fingerprint, stable across processes)."""
+    name = op_name(program)
     with _LOCK:
-        known = _OPS.get(program.name)
-        if known is not None:
-            if known.program.fingerprint != program.fingerprint:
-                raise ValueError(f"a different program named {program.name!r} is already registered as an op")
-            return known
-        op = _register(program)
-        _OPS[program.name] = op
-        return op
+        if name not in _OPS:
+            _OPS[name] = _register(program, name)
+        return _OPS[name]
 
 
-def _register(program: Program):
+def _register(program: Program, name: str):
     kernel = Kernel(program)
     names = [op.name for op in program.operands]
     outputs = program.outputs
@@ -68,7 +69,7 @@ def _register(program: Program):
     for function in (impl, fake):
         function.__signature__ = signature
         function.__annotations__ = {p.name: p.annotation for p in params} | {"return": returns}
-    op = torch.library.custom_op(f"coda_cute::{program.name}", impl, mutates_args=())
+    op = torch.library.custom_op(f"coda_cute::{name}", impl, mutates_args=())
     op.register_fake(fake)
     op.program = program
     op.kernel = kernel

@@ -17,3 +17,14 @@ def rope_qkv(acc, cos: cc.Table["N/2"], sin: cc.Table["N/2"], *, rotary_cols=512
     y0 = cc.where(rotate, x0 * cos - x1 * sin, x0)
     y1 = cc.where(rotate, x0 * sin + x1 * cos, x1)
     return cc.interleave(y0, y1)
+
+
+@cc.epilogue
+def rms_rope_qkv(acc, rstd: cc.RowVec, cos: cc.Table["N/2"], sin: cc.Table["N/2"], *, rotary_cols=5120):
+    """RMSNorm'd QKV GEMM + RoPE: z = rstd[row] * (h @ (W * gamma).T), then rope_qkv on z."""
+    z = acc * rstd
+    x0, x1 = cc.pairs(z)
+    rotate = x0.col < rotary_cols // 2
+    y0 = cc.where(rotate, x0 * cos - x1 * sin, x0)
+    y1 = cc.where(rotate, x0 * sin + x1 * cos, x1)
+    return cc.interleave(y0, y1)

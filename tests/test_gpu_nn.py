@@ -48,3 +48,42 @@ def test_token_count_must_be_a_multiple_of_8():
     module = LlamaMLP(128, 256, device="cuda")
     with pytest.raises(Exception, match="multiple of 8"):
         module(torch.randn(300 + 1, 128, device="cuda", dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("batch,seq,d,heads,kv_heads,ffn", [(2, 152, 256, 4, 2, 512), (1, 512, 512, 4, 4, 1376)])
+def test_llama_block_matches_autograd(batch, seq, d, heads, kv_heads, ffn):
+    from coda_cute.nn import LlamaBlock, llama_attention_reference, llama_mlp_reference
+
+    gen = torch.Generator().manual_seed(seq + d)
+    block = LlamaBlock(d, heads, ffn, n_kv_heads=kv_heads, device="cuda", max_positions=seq)
+    weights = {k: (torch.randn(v.shape, generator=gen) * (v.shape[-1] ** -0.5 if v.dim() == 2 else 1) +
+                   (1.0 if v.dim() == 1 else 0.0)).cuda().bfloat16() for k, v in block.hf_weights().items()}
+    block.load_hf(weights)
+    h = torch.randn(batch, seq, d, generator=gen).cuda().bfloat16().requires_grad_()
+    out, _ = block(h)
+    grad = torch.randn(out.shape, generator=gen).cuda().bfloat16()
+    (out.float() * grad.float()).sum().backward()
+
+    ref_w = {k: v.float().clone().requires_grad_() for k, v in weights.items()}
+    h_ref = h.detach().float().requires_grad_()
+    att = block.attention
+    mid = llama_attention_reference(h_ref, ref_w["input_layernorm.weight"], ref_w["self_attn.q_proj.weight"],
+                                    ref_w["self_attn.k_proj.weight"], ref_w["self_attn.v_proj.weight"],
+                                    ref_w["self_attn.o_proj.weight"], heads, kv_heads, att.head_dim,
+                                    att.cos, att.sin, att.eps)
+    ref = llama_mlp_reference(mid, ref_w["post_attention_layernorm.weight"], ref_w["mlp.gate_proj.weight"],
+                              ref_w["mlp.up_proj.weight"], ref_w["mlp.down_proj.weight"], block.mlp.eps)
+    (ref * grad.float()).sum().backward()
+    assert _rel(out, ref) < 1.5e-2
+    assert _rel(h.grad, h_ref.grad) < 4e-2
+    hd = att.head_dim  # gradients in the Hugging Face layout, through the same conversions
+    from coda_cute.nn import interleaved_to_rotate_half, split_gate_up
+
+    q, k, v = att.w_qkv.grad.split([heads * hd, kv_heads * hd, kv_heads * hd])
+    got = {"input_layernorm.weight": att.gamma.grad, "self_attn.q_proj.weight": interleaved_to_rotate_half(q, hd),
+           "self_attn.k_proj.weight": interleaved_to_rotate_half(k, hd), "self_attn.v_proj.weight": v,
+           "self_attn.o_proj.weight": att.w_o.grad, "post_attention_layernorm.weight": block.mlp.gamma.grad,
+           "mlp.gate_proj.weight": split_gate_up(block.mlp.w_gate_up.grad)[0],
+           "mlp.up_proj.weight": split_gate_up(block.mlp.w_gate_up.grad)[1], "mlp.down_proj.weight": block.mlp.w_down.grad}
+    for key, value in got.items():
+        assert _rel(value, ref_w[key].grad) < 5e-2, key

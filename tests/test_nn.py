@@ -5,7 +5,10 @@ interpreter there; tests/test_gpu_nn.py checks the kernels)."""
 import pytest
 import torch
 
-from coda_cute.nn import LlamaMLP, interleave_gate_up, llama_mlp_reference, split_gate_up
+from coda_cute.nn import (
+    LlamaAttention, LlamaBlock, LlamaMLP, interleave_gate_up, interleaved_to_rotate_half, llama_attention_reference,
+    llama_mlp_reference, rotate_half_to_interleaved, split_gate_up,
+)
 
 # fp32 on both sides; the fused path rounds nothing extra at fp32, so differences are
 # accumulation order only
@@ -85,3 +88,63 @@ def test_compiles_with_fullgraph(gen):
     eager = module(h)[0]
     compiled = torch.compile(lambda x: module(x)[0], fullgraph=True)
     torch.testing.assert_close(compiled(h), eager, rtol=RTOL, atol=ATOL)
+
+
+def _attention(d, heads, kv_heads, gen):
+    module = LlamaAttention(d, heads, kv_heads, dtype=torch.float32, max_positions=64)
+    with torch.no_grad():
+        module.gamma.copy_(torch.rand(d, generator=gen) + 0.5)
+        module.w_qkv.copy_(torch.randn(module.w_qkv.shape, generator=gen) * d ** -0.5)
+        module.w_o.copy_(torch.randn(module.w_o.shape, generator=gen) * d ** -0.5)
+    return module
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_attention_matches_hugging_face_style_reference(heads, kv_heads, gen):
+    """Fused (interleaved RoPE on permuted q/k rows) vs rotate-half RoPE on the HF weights."""
+    d = 32
+    module = _attention(d, heads, kv_heads, gen)
+    hf = module.hf_weights()
+    h = torch.randn(3, 10, d, generator=gen, requires_grad=True)
+    out, sumsq = module(h)
+    grad = torch.randn(out.shape, generator=gen)
+    (out * grad).sum().backward()
+
+    names = ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+             "self_attn.v_proj.weight", "self_attn.o_proj.weight"]
+    params = [hf[n].clone().requires_grad_() for n in names]
+    h_ref = h.detach().clone().requires_grad_()
+    ref = llama_attention_reference(h_ref, *params, heads, kv_heads, module.head_dim, module.cos, module.sin, module.eps)
+    (ref * grad).sum().backward()
+
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(sumsq, ref.detach().square().sum(-1), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(module.gamma.grad, params[0].grad, rtol=RTOL, atol=ATOL)
+    hd = module.head_dim
+    q_grad, k_grad, v_grad = module.w_qkv.grad.split([heads * hd, kv_heads * hd, kv_heads * hd])
+    torch.testing.assert_close(interleaved_to_rotate_half(q_grad, hd), params[1].grad, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(interleaved_to_rotate_half(k_grad, hd), params[2].grad, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(v_grad, params[3].grad, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(module.w_o.grad, params[4].grad, rtol=RTOL, atol=ATOL)
+
+
+def test_rope_row_order_conversion_round_trips(gen):
+    w = torch.randn(3 * 8, 5, generator=gen)
+    inter = rotate_half_to_interleaved(w, 8)
+    assert torch.equal(inter[0], w[0]) and torch.equal(inter[1], w[4]) and torch.equal(inter[2], w[1])
+    assert torch.equal(interleaved_to_rotate_half(inter, 8), w)
+    with pytest.raises(ValueError, match="whole heads"):
+        rotate_half_to_interleaved(w[:-1], 8)
+
+
+def test_block_round_trips_hugging_face_weights_and_runs(gen):
+    block = LlamaBlock(32, 4, 48, n_kv_heads=2, dtype=torch.float32, max_positions=16)
+    weights = {k: torch.randn(v.shape, generator=gen) for k, v in block.hf_weights().items()}
+    block.load_hf(weights)
+    back = block.hf_weights()
+    assert all(torch.equal(back[k], weights[k]) for k in weights)
+    h = torch.randn(2, 8, 32, generator=gen, requires_grad=True)
+    out, sumsq = block(h)
+    out.sum().backward()
+    assert out.shape == h.shape and sumsq.shape == (2, 8) and torch.isfinite(h.grad).all()
