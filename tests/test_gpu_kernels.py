@@ -226,3 +226,24 @@ def test_random_composition(seed):
     schedule, tile = (("pingpong", (64, 256)) if seed % 3 == 0 else ("cooperative", None))
     run_and_compare(random_program(seed), 300, 528, 200, tile=tile, cluster=(2, 1) if tile else None,
                     schedule=schedule if tile else None, seed=seed)
+
+
+def test_cuda_graph_capture_of_a_warm_kernel_and_refusal_when_cold():
+    program = library.get("bias_gelu")
+    gen = torch.Generator().manual_seed(3)
+    a, b, ops = make_inputs(program, 256, 256, 128, torch.bfloat16, gen)
+    warm = Kernel(program)
+    warm(a, b, **ops)  # compiled, loaded and planned before capture
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph):
+            captured = warm(a, b, **ops)
+    a.copy_(torch.randn(a.shape, generator=gen).to(a))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close("D (graph replay)", captured, cc.evaluate(program, a, b, ops).outputs["D"], *TOLERANCE[torch.bfloat16])
+    cold = Kernel(program)
+    with pytest.raises(cc.ArgumentError, match="CUDA graph capture"):
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                cold(a, b, **ops)

@@ -1,0 +1,102 @@
+"""Benchmark: the Llama MLP half and the whole block, forward + backward, fused vs PyTorch.
+
+    python benchmarks/bench_block.py [--d 4096] [--tokens 8192] [--reps 5] [--out block.json]
+
+Contenders, interleaved in one process: coda-cute's LlamaMLP / LlamaBlock; the same math in
+plain PyTorch (eager) and under torch.compile (dynamic=False); cuBLAS GEMMs alone (the
+floor: the block's forward and backward GEMMs with nothing else).  Times include every
+kernel a step needs (gamma refold, statistics, finishing partials, elementwise passes).
+Attention itself (SDPA) is the same in every contender.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from coda_cute.nn import LlamaBlock, LlamaMLP, llama_attention_reference, llama_mlp_reference, split_gate_up
+
+SHAPES = {2048: (8192, 16, 8), 4096: (14336, 32, 8), 8192: (28672, 64, 8)}  # d -> (ffn, heads, kv heads)
+
+
+def _step(fn, h, grad):
+    out = fn(h)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(grad)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--d", type=int, nargs="+", default=[4096])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default="block.json")
+    args = parser.parse_args()
+    from triton.testing import do_bench
+
+    rows = []
+    for d in args.d:
+        ffn, heads, kv = SHAPES[d]
+        batch = args.tokens // args.seq
+        h = torch.randn(batch, args.seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn_like(h)
+        mlp = LlamaMLP(d, ffn, device="cuda")
+        block = LlamaBlock(d, heads, ffn, n_kv_heads=kv, device="cuda", max_positions=args.seq)
+        gate, up = split_gate_up(mlp.w_gate_up.detach())
+        mlp_params = [p.clone().requires_grad_() for p in (mlp.gamma.detach(), gate, up, mlp.w_down.detach())]
+
+        def mlp_eager(x):
+            return llama_mlp_reference(x, *mlp_params, mlp.eps)
+
+        hf = {k: v.clone().requires_grad_() for k, v in block.hf_weights().items()}
+        att = block.attention
+
+        def block_eager(x):
+            x = llama_attention_reference(x, hf["input_layernorm.weight"], hf["self_attn.q_proj.weight"],
+                                          hf["self_attn.k_proj.weight"], hf["self_attn.v_proj.weight"],
+                                          hf["self_attn.o_proj.weight"], heads, kv, att.head_dim, att.cos, att.sin,
+                                          att.eps)
+            return llama_mlp_reference(x, hf["post_attention_layernorm.weight"], hf["mlp.gate_proj.weight"],
+                                       hf["mlp.up_proj.weight"], hf["mlp.down_proj.weight"], block.mlp.eps)
+
+        x2 = h.detach().reshape(-1, d)
+        w_gu, w_dn = mlp.w_gate_up.detach(), mlp.w_down.detach()
+        a_act = torch.randn(x2.shape[0], ffn, device="cuda", dtype=torch.bfloat16)
+        dz = torch.randn(x2.shape[0], 2 * ffn, device="cuda", dtype=torch.bfloat16)
+
+        def mlp_gemms():  # forward 2, backward 4 GEMMs of the MLP, nothing else
+            x2 @ w_gu.t(); a_act @ w_dn.t(); x2 @ w_dn; x2.t() @ a_act; dz @ w_gu; dz.t() @ x2  # noqa: E702
+
+        cases = {
+            "MLP": {"coda-cute": lambda: _step(mlp, h, grad), "torch eager": lambda: _step(mlp_eager, h, grad),
+                    "torch.compile": (lambda c=torch.compile(mlp_eager, dynamic=False): _step(c, h, grad)),
+                    "cuBLAS GEMMs alone": mlp_gemms},
+            "block": {"coda-cute": lambda: _step(block, h, grad), "torch eager": lambda: _step(block_eager, h, grad),
+                      "torch.compile": (lambda c=torch.compile(block_eager, dynamic=False): _step(c, h, grad))},
+        }
+        for name, contenders in cases.items():
+            for f in contenders.values():
+                f()  # compile / warm up
+            times = {k: [] for k in contenders}
+            for _ in range(args.reps):
+                for key, f in contenders.items():
+                    times[key].append(do_bench(f, warmup=5, rep=50))
+            row = {"d": d, "what": f"{name} forward+backward", "tokens": args.tokens}
+            row.update({k: {"ms": statistics.median(v), "spread": (max(v) - min(v)) / statistics.median(v)}
+                        for k, v in times.items()})
+            rows.append(row)
+            print(row["what"], f"d={d}", " | ".join(f"{k}: {v['ms']:.3f} ms" for k, v in row.items()
+                                                        if isinstance(v, dict)), flush=True)
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "commit": os.environ.get("CODA_COMMIT", "unknown"), "command": "python benchmarks/bench_block.py " +
+            " ".join(f"--{k} {v}" for k, v in vars(args).items())}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
