@@ -1,6 +1,6 @@
 """Running programs on PyTorch tensors.
 
-    kernel = coda_cute.compile(program)           # or program(a, b, ...) directly
+    kernel = coda_cute.Kernel(program)            # or coda_cute.run(program, a, w, ...)
     out = kernel(a, w, residual=r)                # CUDA tensors: the generated kernel
 
 CUDA tensors run the generated kernel for the GPU they live on; every argument is checked
@@ -97,7 +97,7 @@ class Kernel:
         problem = bind(self.program, a, b, operands)
         config = self.config_for(problem)
         check_kernel_arguments(problem, config)
-        allocate_outputs(problem, config, out or {})  # validates out= (the tensors are made per call)
+        check_outputs(problem, out or {})
         entry = get_kernel(self.program, config)
         return CallPlan.build(self.program, problem, config, entry.function, entry.key)
 
@@ -137,7 +137,7 @@ class CallPlan:
     def check_pointers(self, a, b, operands: dict, out: dict | None) -> None:
         for label, t in (("A", a), ("B", b), *((f"operand {n!r}", operands[n]) for n in self.aligned),
                          *((f"out[{n!r}]", t) for n, t in (out or {}).items())):
-            if t.data_ptr() % 16:
+            if not _aligned(t):
                 raise ArgumentError(f"{label}'s data pointer is not 16-byte aligned (offset view?)")
 
     def run(self, a, b, operands: dict, out: dict | None, return_partials: bool):
@@ -252,14 +252,13 @@ def check_kernel_arguments(problem: Problem, config: KernelConfig) -> None:
                 )
 
 
-def allocate_outputs(problem: Problem, config: KernelConfig, given: dict) -> tuple[dict, dict]:
-    """Output tiles (caller's or new) and the fp32 partial buffers of the reductions."""
+def check_outputs(problem: Problem, given: dict) -> None:
+    """Every tile output must be storable with TMA; caller-given ``out=`` tensors must fit."""
     program = problem.program
     names = {o.name for o in program.outputs}
     unknown = sorted(set(given) - names)
     if unknown:
         raise ArgumentError(f"out= names unknown output(s) {unknown}; outputs are {sorted(names)}")
-    outputs, partials = {}, {}
     for o in program.tile_outputs:
         cols = problem.cols(o.node.width)
         dtype = problem.storage_dtype(o.dtype)
@@ -275,18 +274,9 @@ def allocate_outputs(problem: Problem, config: KernelConfig, given: dict) -> tup
             t = t.reshape(problem.m, cols) if t.dim() != 2 else t
             if t.device != problem.a.device or not _row_stride_ok(t) or not _aligned(t):
                 raise ArgumentError(f"out[{o.name!r}] must be on {problem.a.device} with unit column stride and 16-byte aligned rows")
-        else:
-            t = torch.empty(problem.m, cols, dtype=dtype, device=problem.a.device)
-        outputs[o.name] = t
-    tm, tn = config.tile
     for o in program.reductions:
         if o.name in given:
             raise ArgumentError(f"out[{o.name!r}]: reductions are returned, not written into caller tensors")
-        tiles = -(-problem.m // tm) if o.axis == "col" else -(-problem.n // tn)
-        length = problem.m if o.axis == "row" else problem.cols(o.node.width)
-        shape = (tiles, length) if o.reduce != "logsumexp" else (2, tiles, length)
-        partials[o.name] = torch.empty(shape, dtype=torch.float32, device=problem.a.device)
-    return outputs, partials
 
 
 _KERNELS: dict = {}
@@ -296,5 +286,7 @@ _LOCK = threading.Lock()
 def run(program: Program, a: torch.Tensor, b: torch.Tensor, **kwargs):
     """Run ``program`` on ``acc = a @ b.T`` with the default configuration."""
     with _LOCK:
-        kernel = _KERNELS.setdefault(program.fingerprint, Kernel(program))
+        kernel = _KERNELS.get(program.fingerprint)
+        if kernel is None:
+            kernel = _KERNELS[program.fingerprint] = Kernel(program)
     return kernel(a, b, **kwargs)
