@@ -188,7 +188,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
             label=f"{out.name} ({width_str(out.node.width)} wide, {dtype})", width=out.node.width,
             gmem=f"out_{out.name}", smem=f"smem_out_{out.name}", tma=f"tma_out_{out.name}",
             view=f"view_out_{out.name}", cute_dtype=f"cutlass.{CUTE_DTYPES[dtype]}", dtype=dtype, cols=cols,
-            fast=out.node.width == ONE and DTYPE_BYTES[dtype] == 2, xfer=f"r2s_out_{out.name}", frag=f"frag_out_{out.name}",
+            fast=_uses_fragments(out.node.width, dtype), xfer=f"r2s_out_{out.name}", frag=f"frag_out_{out.name}",
         ))
         ctx.host_params.append(dict(name=f"out_{out.name}", annotation="cute.Tensor",
                                     doc=f"out_{out.name} (M, {width_str(out.node.width)}) {dtype}"))
@@ -217,7 +217,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
                 label=f"{op.name} ({width_str(op.width)} wide, {dtype})", width=op.width, gmem=name,
                 smem=f"smem_in_{op.name}", tma=f"tma_in_{op.name}", view=f"view_in_{op.name}",
                 cute_dtype=f"cutlass.{CUTE_DTYPES[dtype]}", dtype=dtype, cols=int(EPI_N * op.width),
-                fast=op.width == ONE and DTYPE_BYTES[dtype] == 2, xfer=f"s2r_in_{op.name}", frag=f"frag_in_{op.name}",
+                fast=_uses_fragments(op.width, dtype), xfer=f"s2r_in_{op.name}", frag=f"frag_in_{op.name}",
             ))
             continue
         ctx.kernel_params.append(name)
@@ -246,6 +246,11 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
         for lane in ([""] if v["is_row"] else _view_lanes(v["width"])):
             ctx.views.append(dict(name=v["view"] + lane,
                                   expr=f"acc_view_of_vector({v['smem']}, {v['is_row']}, {v['elems']}, {lane[1:] or 0})"))
+
+
+def _uses_fragments(width: Fraction, dtype: str) -> bool:
+    """N-wide 16-bit tiles move through stmatrix / ldmatrix fragments; the rest through smem views."""
+    return width == ONE and DTYPE_BYTES[dtype] == 2
 
 
 def _view_lanes(width: Fraction) -> list[str]:
@@ -436,7 +441,7 @@ class _Body:
             return [f"{view}[pair0]"]
         if op.width == HALF:
             return [wrap.format(f"{view}[pair0]")]
-        if op.width == ONE and op.kind == "tile" and DTYPE_BYTES[operand_dtype(self.config, op.name)] == 2:
+        if op.kind == "tile" and _uses_fragments(op.width, operand_dtype(self.config, op.name)):
             return [f"cutlass.Float32(frag_in_{op.name}[slot{e}])" for e in (0, 1)]
         if op.width == ONE:
             return [wrap.format(f"{view}[pair{e}]") for e in (0, 1)]
@@ -447,7 +452,7 @@ class _Body:
         lanes = _broadcast(self.lanes[id(out.node)], NUM_LANES[out.node.width])
         dtype = CUTE_DTYPES[_storage(out.dtype, self.config)]
         view = f"view_out_{out.name}"
-        fast = DTYPE_BYTES[_storage(out.dtype, self.config)] == 2
+        fast = _uses_fragments(out.node.width, _storage(out.dtype, self.config))
         targets = {HALF: [f"{view}[pair0]"],
                    ONE: [f"frag_out_{out.name}[slot{e}]" if fast else f"{view}[pair{e}]" for e in (0, 1)],
                    TWO: [f"{view}_{q}[pair{e}]" for e in (0, 1) for q in (0, 1)]}[out.node.width]
