@@ -83,7 +83,7 @@ class _LlamaMLPFunction(torch.autograd.Function):
         ops = _OPS
         h2 = h.reshape(-1, h.shape[-1])
         rstd = _rstd(h2, sumsq, eps)
-        w_folded = (w_gate_up.float() * gamma.float()).to(w_gate_up.dtype)
+        w_folded = _fold_gamma(w_gate_up, gamma)
         a, z = ops["rms_swiglu_save"](h2, w_folded, rstd)
         h_out, sumsq_out = ops["residual_sumsq"](a, w_down, h2)
         ctx.save_for_backward(h2, rstd, z, gamma, w_gate_up, w_down)
@@ -114,6 +114,11 @@ def _rmsnorm_backward(ops, d_pre, w, h, rstd, gamma, dh_residual=None):
     if dh_residual is not None:
         dh = dh + dh_residual.float()
     return dh, dgamma.to(gamma.dtype), dw
+
+
+def _fold_gamma(w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """W * gamma along K: the norm's gain moves into the next weight (redone every call, so it trains)."""
+    return (w.float() * gamma.float()).to(w.dtype)
 
 
 def _rstd(h2: torch.Tensor, sumsq, eps: float) -> torch.Tensor:
@@ -189,7 +194,7 @@ class _NormQKVRope(torch.autograd.Function):
     def forward(ctx, h, sumsq, gamma, w_qkv, cos, sin, rotary_cols, eps):
         h2 = h.reshape(-1, h.shape[-1])
         rstd = _rstd(h2, sumsq, eps)
-        w_folded = (w_qkv.float() * gamma.float()).to(w_qkv.dtype)
+        w_folded = _fold_gamma(w_qkv, gamma)
         qkv = _rope_op(rotary_cols)(h2, w_folded, rstd, cos, sin)
         ctx.save_for_backward(h2, rstd, gamma, w_qkv, cos, sin)
         ctx.rotary_cols, ctx.shape = rotary_cols, h.shape
