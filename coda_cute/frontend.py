@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 import typing
 from fractions import Fraction
 
@@ -56,6 +57,7 @@ class Expr:
 
     def __init__(self, node: ir.Node):
         self.node = node
+        _note_traced_frame()
 
     # arithmetic
     def __add__(self, o): return _call("add", self, o)
@@ -349,21 +351,34 @@ def _collect_outputs(name: str, result) -> list[ir.Output]:
     return outputs
 
 
+_TRACE = threading.local()  # .code: the epilogue function being traced; .frame: its frame once seen
+
+
+def _note_traced_frame() -> None:
+    """Remember the traced function's frame when it builds a value (called from Expr()).
+
+    Its locals are read after it returns (a finished frame keeps them), so no profiler or
+    tracer hook is needed and one installed by the user (cProfile, a debugger) is left alone."""
+    code = getattr(_TRACE, "code", None)
+    if code is None or _TRACE.frame is not None:
+        return
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    _TRACE.frame = frame
+
+
 def _call_recording_locals(fn, args, consts):
     """Call ``fn`` and keep its local variables at return: they name the program's values."""
-    captured: dict = {}
-    code = fn.__code__
-
-    def profiler(frame, event, _arg):
-        if event == "return" and frame.f_code is code:
-            captured.update(frame.f_locals)
-
-    previous = sys.getprofile()
-    sys.setprofile(profiler)
+    saved = getattr(_TRACE, "code", None), getattr(_TRACE, "frame", None)
+    _TRACE.code, _TRACE.frame = fn.__code__, None
     try:
         result = fn(*args, **consts)
+        frame = _TRACE.frame
+        captured = dict(frame.f_locals) if frame is not None else {}
     finally:
-        sys.setprofile(previous)
+        _TRACE.code, _TRACE.frame = saved
+        frame = None  # no reference cycle through the finished frame
     return result, captured
 
 

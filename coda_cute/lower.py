@@ -491,7 +491,7 @@ class _Body:
                 "            row_max, row_sum = logsumexp_merge(row_max, row_sum,"
                 " cute.arch.shuffle_sync_bfly(row_max, offset=offset), cute.arch.shuffle_sync_bfly(row_sum, offset=offset))",
                 "        row = row0 + tCcAcc[((0, h, 0), m_block, 0)][0]",
-                "        if ctidx % 4 == 0 and row < M:",
+                "        if ctidx % 4 == 0 and row < M and col0 < N:  # a cluster may own a tile past N: no partial",
                 f"            out_{out.name}[(0, tile_n, row)] = row_max",
                 f"            out_{out.name}[(1, tile_n, row)] = row_sum",
             ]
@@ -510,7 +510,7 @@ class _Body:
             "        for offset in cutlass.range_constexpr(1, 3):",
             f"            total = {combine}",
             "        row = row0 + tCcAcc[((0, h, 0), m_block, 0)][0]",
-            "        if ctidx % 4 == 0 and row < M:",
+            "        if ctidx % 4 == 0 and row < M and col0 < N:  # a cluster may own a tile past N: no partial",
             f"            out_{out.name}[(tile_n, row)] = total",
         ]
 
@@ -546,7 +546,7 @@ class _Body:
             f"    for warp in cutlass.range_constexpr({warps}):",
             f"        total = {gather}",
             "    out_col = col0 + subtile * EPI_N + ctidx",
-            "    if out_col < N:",
+            "    if out_col < N and row0 < M:  # a cluster may own a tile past M: no partial",
             f"        out_{out.name}[(tile_m, out_col)] = total",
         ]
 

@@ -17,10 +17,13 @@ from test_gpu_kernels import _gpu_programs, _sized, make_inputs  # noqa: E402
 
 from coda_cute.runtime import Kernel  # noqa: E402
 
-for schedule, tile in (("cooperative", (128, 128)), ("pingpong", (64, 128))):
+# (schedule, tile, cluster, M, N): the last two have clusters that own tiles past M or N
+CONFIGS = [("cooperative", (128, 128), (1, 1), 200, 272), ("pingpong", (64, 128), (1, 1), 200, 272),
+           ("cooperative", (128, 256), (1, 2), 200, 528), ("pingpong", (64, 256), (2, 1), 300, 272)]
+for schedule, tile, cluster, m, n in CONFIGS:
     for name in _gpu_programs():
-        program = _sized(name, 272)
-        a, b, ops = make_inputs(program, 200, 272, 72, torch.bfloat16, torch.Generator().manual_seed(1))
-        Kernel(program, tile=tile, cluster=(1, 1), schedule=schedule)(a, b, **ops)
+        program = _sized(name, n)
+        a, b, ops = make_inputs(program, m, n, 72, torch.bfloat16, torch.Generator().manual_seed(1))
+        Kernel(program, tile=tile, cluster=cluster, schedule=schedule)(a, b, **ops)
         torch.cuda.synchronize()
-        print(f"{schedule:12s} {name}: ok", flush=True)
+        print(f"{schedule:12s} {tile} {cluster} {name}: ok", flush=True)

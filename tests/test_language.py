@@ -405,6 +405,38 @@ def test_unsafe_local_names_are_not_used_as_hints():
     assert [n.hint for n in p.nodes if n.hint] == []
 
 
+def test_tracing_under_a_profiler_or_debugger_keeps_names_and_their_hook():
+    import cProfile
+    import sys
+
+    def prog(acc, bias: cc.ColVec):
+        pre = acc + bias
+        return {"D": cc.gelu(pre)}
+
+    plain = trace(prog)
+    profiler = cProfile.Profile()  # a C-level profile hook: cannot be re-installed with sys.setprofile
+    profiler.enable()
+    try:
+        profiled = trace(prog)
+    finally:
+        profiler.disable()
+    seen = []
+
+    def tracer(frame, event, arg):
+        seen.append(event)
+        return None
+
+    sys.settrace(tracer)
+    try:
+        traced = trace(prog)
+        still_installed = sys.gettrace() is tracer
+    finally:
+        sys.settrace(None)
+    assert still_installed and seen
+    assert plain.fingerprint == profiled.fingerprint == traced.fingerprint
+    assert [n.hint for n in profiled.nodes if n.hint] == ["pre"]
+
+
 # --------------------------------------------------------------------------- describe / program API
 def test_describe_lists_operands_values_and_outputs():
     def layer(acc, x: cc.Tile, rstd: cc.RowVec, gamma: cc.ColVec["N/2"]):
