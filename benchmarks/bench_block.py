@@ -91,9 +91,13 @@ def main():
             rows.append(row)
             print(row["what"], f"d={d}", " | ".join(f"{k}: {v['ms']:.3f} ms" for k, v in row.items()
                                                         if isinstance(v, dict)), flush=True)
+            _write(args, rows)  # after every case: a run cut short keeps what it measured
+
+
+def _write(args, rows):
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "commit": os.environ.get("CODA_COMMIT", "unknown"), "command": "python benchmarks/bench_block.py " +
-            " ".join(f"--{k} {v}" for k, v in vars(args).items())}
+            " ".join(f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items())}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

@@ -30,20 +30,32 @@ import time, torch, cutlass
 torch.empty(1, device="cuda")  # the CUDA context exists before any kernel loads
 t0 = time.perf_counter()
 from coda_cute import library
-from coda_cute.cache import get_kernel
+from coda_cute.cache import cache_key, get_kernel
 from coda_cute.config import KernelConfig
-entry = get_kernel(library.get({name!r}), KernelConfig(**{config!r}))
-print(entry.origin, time.perf_counter() - t0, entry.seconds)
+t1 = time.perf_counter()
+program, config = library.get({name!r}), KernelConfig(**{config!r})
+t2 = time.perf_counter()
+cache_key(program, config)  # versions (imports tvm_ffi) and generator hash, once per process
+t3 = time.perf_counter()
+entry = get_kernel(program, config)
+t4 = time.perf_counter()
+print(entry.origin, t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3)
 """
+PHASES = ("import_ms", "library_ms", "key_ms", "load_ms")
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="runtime.json")
+    parser.add_argument("--programs", nargs="*", help="library programs to compile and load (default: all)")
+    parser.add_argument("--load-programs", nargs="*", default=["gemm", "swiglu_bwd", "cross_entropy_stats"],
+                        help="programs whose warm load is timed in fresh processes")
     args = parser.parse_args()
     os.environ["CODA_CUTE_CACHE_DIR"] = tempfile.mkdtemp(prefix="coda_cute_bench_cache_")
     rows = []
     for name, program in library.programs().items():
+        if args.programs and name not in args.programs:
+            continue
         gen = torch.Generator().manual_seed(0)
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
         from test_gpu_kernels import make_inputs  # the GPU tests' operand generator
@@ -57,15 +69,19 @@ def main():
         config = kernel.last.config
         entry = cache.get_kernel(program, config)
         cfg = dict(config.__dict__)
-        loads = []
-        for _ in range(3):
-            out = subprocess.run([sys.executable, "-c", LOAD_SNIPPET.format(name=name, config=cfg)],
-                                 capture_output=True, text=True, env=dict(os.environ))
-            origin, seconds, load = out.stdout.split()[-3:]
-            assert origin == "disk", out.stdout + out.stderr
-            loads.append(float(seconds))
-        rows.append({"program": name, "compile_s": round(entry.seconds, 3), "first_call_s": round(first_call, 3),
-                     "warm_load_ms": round(1000 * statistics.median(loads), 1)})
+        row = {"program": name, "compile_s": round(entry.seconds, 3), "first_call_s": round(first_call, 3)}
+        if name in args.load_programs:
+            loads = []
+            for _ in range(3):
+                out = subprocess.run([sys.executable, "-c", LOAD_SNIPPET.format(name=name, config=cfg)],
+                                     capture_output=True, text=True, env=dict(os.environ))
+                fields = out.stdout.split()[-6:]
+                assert fields and fields[0] == "disk", out.stdout + out.stderr
+                loads.append([float(x) for x in fields[1:]])
+            loads.sort()  # by total: the median run's phases
+            row["warm_load_ms"] = round(1000 * loads[1][0], 1)
+            row.update({phase: round(1000 * t, 1) for phase, t in zip(PHASES, loads[1][1:])})
+        rows.append(row)
         print(rows[-1], flush=True)
 
     # host overhead on a tiny problem: the GPU finishes each kernel long before the next launch
@@ -90,7 +106,7 @@ def main():
         overhead[label] = {k: round(statistics.median(v), 2) for k, v in samples.items()}
         print(label, overhead[label], flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "commit": os.environ.get("CODA_COMMIT", "unknown"), "command": "python benchmarks/bench_runtime.py"}
+            "commit": os.environ.get("CODA_COMMIT", "unknown"), "command": "python " + " ".join(sys.argv)}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "kernels": rows, "host_overhead_us": overhead}, f, indent=1)
 

@@ -1,6 +1,7 @@
 """Benchmark: coda-cute kernels vs cuBLAS, PyTorch eager and torch.compile, on one GPU.
 
     python benchmarks/bench_sm90.py [--d 4096] [--reps 5] [--out results.json]
+        [--compile-modes default max-autotune-no-cudagraphs] [--ops SwiGLU ...] [--quack] [--variants]
 
 Each op is timed with triton.testing.do_bench (median of ~100 ms of launches, L2 flushed
 between launches) for every contender, interleaved, `--reps` times; the table gives the
@@ -90,6 +91,8 @@ def ops_for(d: int, m: int):
     gamma = torch.rand(d, device=dev, dtype=bf) + 0.5
     w_qkv = w(qkv, d)
     dz = torch.randn(m, qkv, device=dev, dtype=bf)
+    ops.append(("down dgrad + SwiGLU bwd + h", library.get("swiglu_bwd_recompute"), dy, w_down.t(),
+                {"preact": preact}, lambda a, b, preact: _swiglu_bwd_h(a @ b.t(), preact)))
     ops.append(("QKV dgrad + RMSNorm bwd stats", library.get("rmsnorm_bwd"), dz, w_qkv.t(),
                 {"x": x, "rstd": rstd, "gamma": gamma},
                 lambda a, b, x, rstd, gamma: _rms_bwd(a @ b.t(), x, rstd, gamma)))
@@ -104,6 +107,28 @@ def _variants(program):
         label = f"{tile[0]}x{tile[1]} c{cluster[0]}x{cluster[1]} {schedule}"
         out.append((label, cc.Kernel(program, tile=tile, cluster=cluster, schedule=schedule)))
     return out
+
+
+def _swiglu_bwd_h(dh, preact):
+    return {"D": swiglu_bwd_torch(dh, preact), "h": _swiglu(preact)}
+
+
+def quack_contender(name, a, b, operands):
+    """The same op through quack (Dao-AILab's CuTe-DSL kernels), where it has one; else None.
+
+    quack's gated kernels use the same interleaved (gate, up) column order as ours; B is (K, N)."""
+    from quack.gemm_interface import gemm, gemm_dgated, gemm_gated
+
+    if name.startswith("GEMM "):
+        return lambda: gemm(a, b.t(), tuned=False)
+    if name == "gate/up GEMM + SwiGLU":
+        return lambda: gemm_gated(a, b.t(), activation="swiglu", store_preact=False, tuned=False)[1]
+    if name == "down dgrad + SwiGLU bwd + h":
+        def run():
+            dx, h = gemm_dgated(a, b.t(), operands["preact"], activation="swiglu", tuned=False)
+            return {"D": dx, "h": h}
+        return run
+    return None
 
 
 def _res_sumsq(a, b, residual):
@@ -131,6 +156,8 @@ def main():
     parser.add_argument("--compile-modes", nargs="*", default=["default"])
     parser.add_argument("--out", default="bench.json")
     parser.add_argument("--variants", action="store_true", help="also time other tile/cluster/schedule choices")
+    parser.add_argument("--ops", nargs="*", help="only the ops whose name contains one of these strings")
+    parser.add_argument("--quack", action="store_true", help="also time quack's kernel for the ops it has (untuned)")
     args = parser.parse_args()
     from triton.testing import do_bench
 
@@ -138,6 +165,8 @@ def main():
     rows = []
     for d in args.d:
         for name, program, a, b, operands, fn in ops_for(d, args.m):
+            if args.ops and not any(o in name for o in args.ops):
+                continue
             kernel = cc.Kernel(program)
             t0 = time.perf_counter()
             ours = kernel(a, b, **operands)
@@ -148,6 +177,14 @@ def main():
             gemm_only = lambda: a @ b.t()  # noqa: E731
             contenders = {"coda-cute": lambda: kernel(a, b, **operands), "cuBLAS GEMM alone": gemm_only,
                           "torch eager": lambda: fn(a, b, **operands)}
+            if args.quack:
+                try:  # a contender that fails or computes something else is reported, not timed
+                    quack_fn = quack_contender(name, a, b, operands)
+                    if quack_fn is not None:
+                        _check(f"{name} (quack)", quack_fn(), want)
+                        contenders["quack (untuned)"] = quack_fn
+                except Exception as exc:
+                    print(f"{name}: quack not timed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             for label, variant in _variants(program) if args.variants else ():
                 contenders[f"coda-cute {label}"] = lambda k=variant: k(a, b, **operands)
             for mode in args.compile_modes:
@@ -165,13 +202,17 @@ def main():
                 row[key] = {"ms": med, "spread": (max(ts) - min(ts)) / med}
             rows.append(row)
             print(_line(row, contenders), flush=True)
+            _write(args, rows)  # after every op: a run cut short keeps what it measured
+
+
+def _write(args, rows):
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cutlass_dsl": __import__("cutlass").__version__, "python": platform.python_version(),
             "commit": _commit(), "command": "python benchmarks/bench_sm90.py " + " ".join(
-                f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items())}
+                f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                for k, v in vars(args).items() if v not in (None, False))}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(json.dumps(meta))
 
 
 def _check(name, ours, want):
