@@ -29,7 +29,8 @@ from .program import Node, Program, width_str
 HALF, ONE, TWO = Fraction(1, 2), Fraction(1), Fraction(2)
 CUTE_DTYPES = {"bf16": "BFloat16", "f16": "Float16", "f32": "Float32"}
 DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4}
-EPI_N = 32
+EPI_N_CHOICES = (32, 16)  # accumulator columns per epilogue subtile, preferred first
+AB_STAGES_WANTED = 4  # mainloop stages that keep the tensor cores fed (fewer starve them)
 NUM_LANES = {None: 1, HALF: 1, ONE: 2, TWO: 4}
 _IDENTITY = {"sum": "0.0", "sumsq": "0.0", "max": '-float("inf")', "maxabs": "0.0"}
 
@@ -93,6 +94,7 @@ class Context:
     col_reductions: list = field(default_factory=list)
     col_scratch_elems: int = 0
     segments: list = field(default_factory=list)  # registers of segment reductions
+    epi_n: int = EPI_N_CHOICES[0]
     helpers: set = field(default_factory=set)  # module-level helper functions the body calls
 
     @property
@@ -111,9 +113,7 @@ def lower(program: Program, config: KernelConfig) -> Context:
     config = config.check().resolved(program)
     _check_supported(program, config)
     tile_m, tile_n = config.tile
-    ctx = Context(program=program, config=config, cfg={}, class_name=_class_name(program.name))
-    _declare_tensors(ctx, program, config)
-    stages, ab_stages = _stages(ctx, config)
+    ctx, stages, ab_stages = _plan_smem(program, config)
     ctx.cfg = dict(
         arch=config.arch, gpu=config.gpu, sm_count=config.sm_count,
         ab_dtype=CUTE_DTYPES[config.dtype],
@@ -121,7 +121,8 @@ def lower(program: Program, config: KernelConfig) -> Context:
         a_layout="ROW_MAJOR" if config.majors[0] == "k" else "COL_MAJOR",
         b_layout="ROW_MAJOR" if config.majors[1] == "k" else "COL_MAJOR",
         tile_m=tile_m, tile_n=tile_n, tile_k=64, cluster_m=config.cluster[0], cluster_n=config.cluster[1],
-        ab_stages=ab_stages, epi_n=EPI_N, epi_stages=stages,
+        ab_stages=ab_stages, epi_n=ctx.epi_n, epi_stages=stages, smem_budget=SMEM_BYTES[config.arch],
+        smem_planned=smem_bytes(ctx, stages, ab_stages),
         raster_along_m=config.raster_along_m, swizzle=config.swizzle,
         producer_regs=40, consumer_regs=232, pingpong=config.schedule == "pingpong",
     )
@@ -159,7 +160,7 @@ def _check_supported(program: Program, config: KernelConfig) -> None:
                 )
     for out in program.tile_outputs:
         dtype = _storage(out.dtype, config)
-        cols = int(EPI_N * out.node.width)
+        cols = int(EPI_N_CHOICES[0] * out.node.width)
         if cols * DTYPE_BYTES[dtype] < 16:
             raise UnsupportedError(f"output {out.name!r}: a {cols}-column subtile of {dtype} is under TMA's 16 bytes")
 
@@ -183,7 +184,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
     tile_m, tile_n = config.tile
     for out in program.tile_outputs:
         dtype = _storage(out.dtype, config)
-        cols = int(EPI_N * out.node.width)
+        cols = int(ctx.epi_n * out.node.width)
         ctx.tile_outputs.append(dict(
             label=f"{out.name} ({width_str(out.node.width)} wide, {dtype})", width=out.node.width,
             gmem=f"out_{out.name}", smem=f"smem_out_{out.name}", tma=f"tma_out_{out.name}",
@@ -216,7 +217,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
             ctx.tile_inputs.append(dict(
                 label=f"{op.name} ({width_str(op.width)} wide, {dtype})", width=op.width, gmem=name,
                 smem=f"smem_in_{op.name}", tma=f"tma_in_{op.name}", view=f"view_in_{op.name}",
-                cute_dtype=f"cutlass.{CUTE_DTYPES[dtype]}", dtype=dtype, cols=int(EPI_N * op.width),
+                cute_dtype=f"cutlass.{CUTE_DTYPES[dtype]}", dtype=dtype, cols=int(ctx.epi_n * op.width),
                 fast=_uses_fragments(op.width, dtype), xfer=f"s2r_in_{op.name}", frag=f"frag_in_{op.name}",
             ))
             continue
@@ -234,7 +235,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
             ))
     ctx.epi_load_bytes = sum(tile_m * t["cols"] * DTYPE_BYTES[t["dtype"]] for t in ctx.tile_inputs)
     if ctx.col_reductions:
-        ctx.col_scratch_elems = len(ctx.col_reductions) * (tile_m // 16) * EPI_N
+        ctx.col_scratch_elems = len(ctx.col_reductions) * (tile_m // 16) * ctx.epi_n
     # views through accumulator coordinates (see acc_view_of_ring / acc_view_of_vector)
     for t in ctx.tile_outputs + ctx.tile_inputs:
         if t["fast"]:
@@ -258,25 +259,57 @@ def _view_lanes(width: Fraction) -> list[str]:
     return ["_0", "_1"] if width == TWO else [""]
 
 
-def _stages(ctx: Context, config: KernelConfig) -> tuple[int, int]:
-    """EPI_STAGES and AB_STAGES that fit the SM's shared memory."""
-    tile_m, tile_n = config.tile
-    subtiles = tile_n // EPI_N
-    ring_bytes = sum(tile_m * t["cols"] * DTYPE_BYTES[t["dtype"]] for t in ctx.tile_outputs + ctx.tile_inputs)
-    fixed = 2048 + 4 * sum(v["elems"] for v in ctx.vectors) + 4 * ctx.col_scratch_elems
-    ab_bytes = (tile_m + tile_n) * 64 * 2
+def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, int]:
+    """Pick the epilogue subtile width, EPI_STAGES and AB_STAGES that fit the SM's shared memory.
+
+    The mainloop needs about AB_STAGES_WANTED stages in flight; epilogue rings (tile outputs
+    and inputs, EPI_STAGES subtiles each) share the same memory.  Subtiles of 32 accumulator
+    columns are preferred; programs with wide rings (2N outputs or inputs) fall back to 16
+    columns when that buys mainloop stages."""
+    best = None
+    for epi_n in EPI_N_CHOICES:
+        ctx = Context(program=program, config=config, cfg={}, class_name=_class_name(program.name), epi_n=epi_n)
+        _declare_tensors(ctx, program, config)
+        if any(t["cols"] * DTYPE_BYTES[t["dtype"]] < 16 for t in ctx.tile_outputs + ctx.tile_inputs):
+            continue  # a subtile row under TMA's 16 bytes
+        stages = _stages(ctx, config)
+        if stages is not None and (best is None or stages[1] > best[2]):
+            best = (ctx, *stages)
+        if best is not None and best[2] >= AB_STAGES_WANTED:
+            break
+    if best is None:
+        raise UnsupportedError(
+            f"program {program.name!r} with tile {config.tile[0]}x{config.tile[1]} needs more shared memory than "
+            f"{config.arch} has for its epilogue tiles; choose a smaller tile"
+        )
+    return best
+
+
+def smem_bytes(ctx: Context, epi_stages: int, ab_stages: int) -> int:
+    """Bytes of the kernel's SharedStorage (see the template): barriers, padded to the 1024-byte
+    alignment of the A/B stages, then the A/B stages, the epilogue rings (1024-aligned) and the
+    per-tile vectors and column-reduction scratch (16-byte aligned); the whole struct is padded
+    to its 1024-byte alignment.  A test compares this with the compiled struct's size."""
+    tile_m, tile_n = ctx.config.tile
+    ab = ab_stages * (tile_m + tile_n) * 64 * 2
+    rings = sum(-(-epi_stages * tile_m * t["cols"] * DTYPE_BYTES[t["dtype"]] // 1024) * 1024
+                for t in ctx.tile_outputs + ctx.tile_inputs)
+    small = sum(-(-4 * n // 16) * 16 for n in [v["elems"] for v in ctx.vectors] + [ctx.col_scratch_elems])
+    return -(-(1024 + ab + rings + small) // 1024) * 1024
+
+
+def _stages(ctx: Context, config: KernelConfig) -> tuple[int, int] | None:
+    """(EPI_STAGES, AB_STAGES) for this subtile width, or None when not even 2 + 2 fit."""
+    subtiles = config.tile[1] // ctx.epi_n
     budget = SMEM_BYTES[config.arch]
+    ab_bytes = (config.tile[0] + config.tile[1]) * 64 * 2
     for epi_stages in (4, 2):
         if subtiles % epi_stages:
             continue
-        ab_stages = (budget - fixed - 1024 * (2 + len(ctx.tile_outputs) + len(ctx.tile_inputs))
-                     - epi_stages * ring_bytes) // ab_bytes
-        if ab_stages >= 4 or (epi_stages == 2 and ab_stages >= 2):
-            return epi_stages, min(ab_stages, 8)
-    raise UnsupportedError(
-        f"program {ctx.program.name!r} with tile {tile_m}x{tile_n} needs more shared memory than "
-        f"{config.arch} has ({ring_bytes} bytes per epilogue stage); choose a smaller tile"
-    )
+        ab_stages = min((budget - smem_bytes(ctx, epi_stages, 0)) // ab_bytes, 8)
+        if ab_stages >= AB_STAGES_WANTED or (epi_stages == 2 and ab_stages >= 2):
+            return epi_stages, ab_stages
+    return None
 
 
 # ----------------------------------------------------------------------------- the per-pair body
@@ -520,7 +553,7 @@ class _Body:
         identity = _IDENTITY[kind]
         lanes = self.lanes[id(out.node)]
         warps = self.config.tile[0] // 16  # consumer warps: 16 rows of a tile each
-        offset = slot * warps * EPI_N
+        offset = slot * warps * ctx.epi_n
         ctx.helpers.add("where")
         ctx.subtile_prologue += [f"{reg} = cute.make_rmem_tensor((EPI_N // 4,), cutlass.Float32)", f"{reg}.fill({identity})"]
         self.lines.append(f"# {out.name}: per-column {kind} of {out.node.describe()}, this thread's rows")

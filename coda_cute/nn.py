@@ -310,12 +310,19 @@ class LlamaBlock(nn.Module):
         return {**self.attention.hf_weights(), **self.mlp.hf_weights()}
 
 
+def rms_norm_reference(h, gamma, eps):
+    """Hugging Face's LlamaRMSNorm: statistics in fp32, the normalized input back in h's dtype."""
+    hf = h.float()
+    return gamma * (hf * torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
 def llama_attention_reference(h, gamma, wq, wk, wv, wo, n_heads, n_kv_heads, head_dim, cos, sin, eps):
     """Hugging Face-style attention half (rotate-half RoPE on unpermuted weights) in plain PyTorch."""
     batch, seq, _ = h.shape
-    x = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * gamma
+    x = rms_norm_reference(h, gamma, eps)
     q, k, v = ((x @ w.t()).reshape(batch, seq, -1, head_dim).transpose(1, 2) for w in (wq, wk, wv))
-    cos_full, sin_full = torch.cat([cos[:seq], cos[:seq]], -1), torch.cat([sin[:seq], sin[:seq]], -1)
+    cos_full = torch.cat([cos[:seq], cos[:seq]], -1).to(q.dtype)  # tables in the activations' dtype, as HF does
+    sin_full = torch.cat([sin[:seq], sin[:seq]], -1).to(q.dtype)
 
     def rotate(t):
         half = t.shape[-1] // 2
@@ -328,6 +335,6 @@ def llama_attention_reference(h, gamma, wq, wk, wv, wo, n_heads, n_kv_heads, hea
 
 def llama_mlp_reference(h, gamma, w_gate, w_up, w_down, eps):
     """The unfused block in plain PyTorch (what LlamaMLP must match, forward and backward)."""
-    x = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * gamma
+    x = rms_norm_reference(h, gamma, eps)
     a = torch.nn.functional.silu(x @ w_gate.t()) * (x @ w_up.t())
     return h + a @ w_down.t()

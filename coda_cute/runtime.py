@@ -141,28 +141,36 @@ class CallPlan:
                 raise ArgumentError(f"{label}'s data pointer is not 16-byte aligned (offset view?)")
 
     def run(self, a, b, operands: dict, out: dict | None, return_partials: bool):
-        out = out or {}
-        args = [a.reshape(self.m, self.k), b]
+        # the warm path: everything shape-dependent was decided in build(); reshapes only where
+        # the caller passed leading batch dimensions
+        args = [a if a.dim() == 2 else a.reshape(self.m, self.k), b]
         results = {}
         for name, cols, dtype in self.outputs:
-            t = out[name].reshape(self.m, cols) if name in out else torch.empty(self.m, cols, dtype=dtype, device=self.device)
+            if out and name in out:
+                t = out[name] if out[name].dim() == 2 else out[name].reshape(self.m, cols)
+            else:
+                t = torch.empty(self.m, cols, dtype=dtype, device=self.device)
             results[name] = t
             args.append(t)
         partials = {name: torch.empty(shape, dtype=torch.float32, device=self.device) for name, shape in self.partials}
         args += partials.values()
         for op in self.program.operands:
             value = operands[op.name]
-            args.append(value.reshape(self.reshape[op.name]) if op.kind in ("row", "tile") else value)
+            shape = self.reshape.get(op.name)
+            args.append(value if shape is None or value.shape == shape else value.reshape(shape))
         if self.device.type != "cuda" or self.device.index == torch.cuda.current_device():
             self.function(*args)
         else:
             with torch.cuda.device(self.device):
                 self.function(*args)
         for o in self.program.reductions:
-            value = reference.finish(o.reduce, partials[o.name])
-            results[o.name] = value.reshape(self.batch_shape) if o.axis == "row" else value
-        for name, cols, _ in self.outputs:
-            results[name] = results[name].reshape(*self.batch_shape, cols)
+            parts = partials[o.name]
+            # one tile along the reduced axis: the partial is the result (no finishing kernel)
+            value = parts[0] if o.reduce != "logsumexp" and parts.shape[0] == 1 else reference.finish(o.reduce, parts)
+            results[o.name] = value.reshape(self.batch_shape) if o.axis == "row" and len(self.batch_shape) != 1 else value
+        if len(self.batch_shape) != 1:
+            for name, cols, _ in self.outputs:
+                results[name] = results[name].reshape(*self.batch_shape, cols)
         return _package(self.program, results, partials if return_partials else None, None)
 
 
