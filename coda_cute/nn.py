@@ -14,10 +14,14 @@ forward
   4. `residual_sumsq`: h_out = h + a @ W_down.T, plus sum(h_out^2) per row for the next norm.
 backward (dh_out)
   5. `swiglu_bwd_recompute`: dz = SwiGLU'(z) * (dh_out @ W_down), and a recomputed (not saved);
-  6. dW_down = dh_out.T @ a (plain GEMM on transposed views);
+  6. dW_down = dh_out.T @ a (a plain GEMM);
   7. `rmsnorm_bwd`: dx_hat * rstd, row dots and dgamma partials in the dgrad dz @ W_gate_up;
   8. dW_gate_up = dz.T @ x with x = h * rstd * gamma recomputed (an elementwise pass; the
      normalized input is not saved), and dh = dh_out + D - h * rstd^2 * rowdot / d (elementwise).
+
+GEMMs with nothing to fuse (weight gradients, the O projection's dgrad) call cuBLAS
+through ``torch.matmul``: coda-cute's own plain GEMM runs at 0.95-0.97x cuBLAS on the H200
+(benchmarks/results), so the fused programs are used exactly where they remove memory traffic.
 
 ``LlamaAttention`` does the same for the attention half: `rms_rope_qkv` (norm scale and
 RoPE in the QKV GEMM's epilogue; q/k weight rows in interleaved-pair order, see
@@ -74,7 +78,7 @@ def _heads(w: torch.Tensor, head_dim: int) -> int:
 
 # registered at import, so torch.compile traces straight to the ops (no file access while tracing)
 _OPS = {name: library_op(library.get(name))
-        for name in ("rms_swiglu_save", "residual_sumsq", "swiglu_bwd_recompute", "rmsnorm_bwd", "gemm")}
+        for name in ("rms_swiglu_save", "residual_sumsq", "swiglu_bwd_recompute", "rmsnorm_bwd")}
 
 
 class _LlamaMLPFunction(torch.autograd.Function):
@@ -98,7 +102,7 @@ class _LlamaMLPFunction(torch.autograd.Function):
         d = h.shape[-1]
         dy = dh_out.reshape(-1, d).to(h.dtype).contiguous()
         dz, a = ops["swiglu_bwd_recompute"](dy, w_down.t(), z)
-        dw_down = ops["gemm"](dy.t(), a.t())
+        dw_down = dy.t() @ a  # plain GEMM: cuBLAS (module docstring)
         dh, dgamma, dw_gate_up = _rmsnorm_backward(ops, dz, w_gate_up, h, rstd, gamma, dy)
         return dh.to(dh_out.dtype).reshape(ctx.shape), None, dgamma, dw_gate_up, dw_down, None
 
@@ -108,17 +112,21 @@ def _rmsnorm_backward(ops, d_pre, w, h, rstd, gamma, dh_residual=None):
     (dh, dgamma, dw).  The dgrad's epilogue produces the norm's statistics (`rmsnorm_bwd`)."""
     d = h.shape[-1]
     dx_scaled, rowdot, dgamma = ops["rmsnorm_bwd"](d_pre, w.t(), h, rstd, gamma)
-    x = (h.float() * rstd[:, None] * gamma.float()).to(h.dtype)  # recomputed, not saved
-    dw = ops["gemm"](d_pre.t(), x.t())
-    dh = dx_scaled.float() - h.float() * (rstd * rstd * rowdot / d)[:, None]
+    x = (h * rstd[:, None]).mul_(gamma).to(h.dtype)  # the normalized input, recomputed (not saved)
+    dw = d_pre.t() @ x
+    dh = dx_scaled.float()
     if dh_residual is not None:
-        dh = dh + dh_residual.float()
+        dh += dh_residual
+    dh.addcmul_(h, (rstd * rstd * rowdot / d)[:, None], value=-1.0)  # the norm's row-statistics term
     return dh, dgamma.to(gamma.dtype), dw
 
 
 def _fold_gamma(w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
-    """W * gamma along K: the norm's gain moves into the next weight (redone every call, so it trains)."""
-    return (w.float() * gamma.float()).to(w.dtype)
+    """W * gamma along K: the norm's gain moves into the next weight (redone every call, so it trains).
+
+    One elementwise kernel when gamma has the weight's dtype (16-bit products are computed in
+    fp32 and rounded once either way)."""
+    return w * gamma if gamma.dtype == w.dtype else (w.float() * gamma.float()).to(w.dtype)
 
 
 def _rstd(h2: torch.Tensor, sumsq, eps: float) -> torch.Tensor:
@@ -224,8 +232,8 @@ class _LinearResidual(torch.autograd.Function):
     def backward(ctx, dh_out, _dsumsq):
         x, w = ctx.saved_tensors
         dy = dh_out.reshape(-1, dh_out.shape[-1]).to(x.dtype).contiguous()
-        dx = _OPS["gemm"](dy, w.t())
-        dw = _OPS["gemm"](dy.t(), x.t())
+        dx = dy @ w  # plain GEMMs: cuBLAS (module docstring)
+        dw = dy.t() @ x
         return dx.reshape(ctx.shapes[0]), dw, dh_out
 
 
