@@ -78,7 +78,7 @@ def _heads(w: torch.Tensor, head_dim: int) -> int:
 
 # registered at import, so torch.compile traces straight to the ops (no file access while tracing)
 _OPS = {name: library_op(library.get(name))
-        for name in ("rms_swiglu_save", "residual_sumsq", "swiglu_bwd_recompute", "rmsnorm_bwd")}
+        for name in ("rms_swiglu_save", "residual_sumsq", "swiglu_bwd_recompute", "rmsnorm_bwd", "cross_entropy_stats", "cross_entropy_bwd")}
 
 
 class _LlamaMLPFunction(torch.autograd.Function):
@@ -316,6 +316,59 @@ class LlamaBlock(nn.Module):
 
     def hf_weights(self) -> dict:
         return {**self.attention.hf_weights(), **self.mlp.hf_weights()}
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, target, ignore_index, reduction):
+        h2, t = h.reshape(-1, h.shape[-1]), target.reshape(-1)
+        valid = t != ignore_index
+        torch._assert_async(((t >= 0) & (t < weight.shape[0]) | ~valid).all(),
+                            "linear_cross_entropy: a target is outside [0, vocab) and not ignore_index")
+        t_float = torch.where(valid, t, -1).float()  # class index as the programs read it; -1 matches no column
+        lse, target_logit = _OPS["cross_entropy_stats"](h2, weight, t_float)
+        per_row = torch.where(valid, lse - target_logit, 0.0)
+        count = valid.sum()
+        ctx.save_for_backward(h2, weight, t_float, lse, valid, count)
+        ctx.reduction, ctx.shape = reduction, (h.shape, target.shape)
+        if reduction == "none":
+            return per_row.reshape(target.shape)
+        return per_row.sum() if reduction == "sum" else per_row.sum() / count.clamp_min(1)
+
+    @staticmethod
+    def backward(ctx, dloss):
+        h2, weight, t_float, lse, valid, count = ctx.saved_tensors
+        if ctx.reduction == "none":
+            per_row = dloss.reshape(-1).float()
+        else:
+            per_row = dloss.float().expand(valid.shape) / (count.clamp_min(1) if ctx.reduction == "mean" else 1)
+        per_row = torch.where(valid, per_row, 0.0)
+        dlogits = _OPS["cross_entropy_bwd"](h2, weight, lse, t_float, per_row)  # (tokens, vocab), input dtype
+        dh = dlogits @ weight  # plain GEMMs: cuBLAS (module docstring)
+        dw = dlogits.t() @ h2
+        return dh.reshape(ctx.shape[0]), dw, None, None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """``F.cross_entropy(h @ weight.T, target)`` without materializing the logits in the forward pass.
+
+    Forward: one GEMM whose epilogue keeps per-row log-sum-exp and target-logit partials
+    (`cross_entropy_stats`).  Backward: the logits GEMM again, its epilogue writing
+    d logits = (softmax - onehot) * dloss (`cross_entropy_bwd`), then two plain GEMMs for dh and
+    d weight.  ``h`` is (..., d), ``weight`` (vocab, d), ``target`` integer class indices of
+    h's leading shape; ``reduction`` is "mean" (over non-ignored targets), "sum" or "none".
+    On the GPU the vocabulary and d must be multiples of 8 (TMA rows of 16 bytes).
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if target.shape != h.shape[:-1] or target.dtype.is_floating_point or target.dtype == torch.bool:
+        raise ArgumentError(f"target must be integer class indices of shape {tuple(h.shape[:-1])} (h's leading "
+                            f"dims), got {target.dtype} {tuple(target.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != h.shape[-1]:
+        raise ArgumentError(f"weight must be (vocab, {h.shape[-1]}) for h of width {h.shape[-1]}, "
+                            f"got {tuple(weight.shape)}")
+    return _LinearCrossEntropy.apply(h, weight, target, ignore_index, reduction)
 
 
 def rms_norm_reference(h, gamma, eps):

@@ -13,3 +13,14 @@ def cross_entropy_stats(acc, target: cc.RowVec):
         "lse": cc.row_logsumexp(acc),
         "target_logit": cc.row_sum(cc.where(acc.col == target, acc, 0.0)),
     }
+
+
+@cc.epilogue
+def cross_entropy_bwd(acc, lse: cc.RowVec, target: cc.RowVec, dloss: cc.RowVec):
+    """Gradient of the per-row loss lse - logit[target] w.r.t. the logits, from recomputed logits:
+
+    dlogits = (softmax(logits) - onehot(target)) * dloss, with softmax = exp(logits - lse);
+    `lse` comes from cross_entropy_stats, `dloss` is the per-row gradient (0 for ignored rows).
+    """
+    prob = cc.exp(acc - lse)
+    return cc.where(acc.col == target, prob - 1.0, prob) * dloss

@@ -5,9 +5,10 @@ interpreter there; tests/test_gpu_nn.py checks the kernels)."""
 import pytest
 import torch
 
+import coda_cute as cc
 from coda_cute.nn import (
-    LlamaAttention, LlamaBlock, LlamaMLP, interleave_gate_up, interleaved_to_rotate_half, llama_attention_reference,
-    llama_mlp_reference, rotate_half_to_interleaved, split_gate_up,
+    LlamaAttention, LlamaBlock, LlamaMLP, interleave_gate_up, interleaved_to_rotate_half, linear_cross_entropy,
+    llama_attention_reference, llama_mlp_reference, rotate_half_to_interleaved, split_gate_up,
 )
 
 # fp32 on both sides; the fused path rounds nothing extra at fp32, so differences are
@@ -148,3 +149,44 @@ def test_block_round_trips_hugging_face_weights_and_runs(gen):
     out, sumsq = block(h)
     out.sum().backward()
     assert out.shape == h.shape and sumsq.shape == (2, 8) and torch.isfinite(h.grad).all()
+
+
+# --------------------------------------------------------------------------- LM head + cross-entropy
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_linear_cross_entropy_matches_autograd(reduction, gen):
+    h = torch.randn(2, 7, 16, generator=gen, dtype=torch.float64).requires_grad_()
+    w = (torch.randn(40, 16, generator=gen, dtype=torch.float64) * 0.5).requires_grad_()
+    target = torch.randint(0, 40, (2, 7), generator=gen)
+    target[0, 3] = target[1, 0] = -100  # ignored: no loss, no gradient
+    loss = linear_cross_entropy(h.float(), w.float(), target, reduction=reduction)
+    h_ref, w_ref = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy((h_ref @ w_ref.t()).reshape(-1, 40), target.reshape(-1),
+                                            reduction=reduction)
+    ref = ref.reshape(2, 7) if reduction == "none" else ref
+    grad = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    loss.backward(grad.float())
+    ref.backward(grad)
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(h.grad[0, 3], torch.zeros(16, dtype=torch.float64))  # ignored row
+
+
+def test_linear_cross_entropy_rejects_bad_arguments():
+    h, w = torch.randn(4, 16), torch.randn(40, 16)
+    with pytest.raises(cc.ArgumentError, match=r"target must be integer class indices of shape \(4,\)"):
+        linear_cross_entropy(h, w, torch.zeros(4))
+    with pytest.raises(cc.ArgumentError, match=r"weight must be \(vocab, 16\)"):
+        linear_cross_entropy(h, w[:, :8], torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="reduction must be"):
+        linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), reduction="avg")
+    with pytest.raises(RuntimeError, match="outside"):
+        linear_cross_entropy(h, w, torch.full((4,), 40))
+
+
+def test_linear_cross_entropy_compiles_with_fullgraph(gen):
+    h, w = torch.randn(6, 16, generator=gen), torch.randn(40, 16, generator=gen)
+    target = torch.randint(0, 40, (6,), generator=gen)
+    compiled = torch.compile(linear_cross_entropy, fullgraph=True)
+    torch.testing.assert_close(compiled(h, w, target), torch.nn.functional.cross_entropy(h @ w.t(), target),
+                               rtol=1e-5, atol=1e-5)

@@ -728,6 +728,20 @@ def test_cross_entropy_stats_match_cross_entropy(gen):
     close(finish("sum", res.partials["target_logit"]), tl.reshape(-1), F32)
 
 
+def test_cross_entropy_bwd_is_the_gradient_of_cross_entropy(gen):
+    vocab, hidden = 20, 16
+    h = randn(gen, *BATCH, hidden)
+    w = randn(gen, vocab, hidden, scale=hidden**-0.5 * 3)
+    target = torch.randint(0, vocab, BATCH, generator=gen)
+    dloss = torch.rand(BATCH, generator=gen)
+    logits = gemm64(h, w).requires_grad_()
+    torch.nn.functional.cross_entropy(logits, target.reshape(-1), reduction="none").backward(dloss.reshape(-1).double())
+    lse = torch.logsumexp(logits.detach(), -1).float().reshape(BATCH)
+    d = cc.evaluate(library.get("cross_entropy_bwd"), h, w,
+                    {"lse": lse, "target": target.float(), "dloss": dloss}).outputs["D"]
+    close(d.reshape(-1, vocab), logits.grad, F32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_qk_rmsnorm_is_a_per_head_rmsnorm(gen, dtype):
     heads, head_dim, eps = 3, 8, 1e-6
