@@ -94,6 +94,7 @@ class Context:
     col_reductions: list = field(default_factory=list)
     col_scratch_elems: int = 0
     segments: list = field(default_factory=list)  # registers of segment reductions
+    tables: list = field(default_factory=list)  # table reads prefetched into registers, one subtile ahead
     epi_n: int = EPI_N_CHOICES[0]
     helpers: set = field(default_factory=set)  # module-level helper functions the body calls
 
@@ -316,6 +317,7 @@ def _stages(ctx: Context, config: KernelConfig) -> tuple[int, int] | None:
 class _Body:
     def __init__(self, ctx: Context, program: Program, config: KernelConfig, lines: list | None = None):
         self.ctx, self.program, self.config = ctx, program, config
+        self.prefetch_tables = lines is None  # the per-subtile body; segment reductions read tables directly
         self.lanes: dict[int, list[str]] = {}
         self.taken: set[str] = set()
         self.lines = ctx.body if lines is None else lines
@@ -467,7 +469,13 @@ class _Body:
             return [name]
         if op.kind == "table":
             cols = self.values(Node("col", (), (), "i32", op.width))
-            return [f"cutlass.Float32({name}[(row % {name}.shape[0], ({c}) % {name}.shape[1])])" for c in cols]
+            gathers = [f"cutlass.Float32({name}[(row % {name}.shape[0], ({c}) % {name}.shape[1])])" for c in cols]
+            if not self.prefetch_tables:
+                return gathers
+            regs = [f"tab_{op.name}" + (f"_{k}" if len(cols) > 1 else "") for k in range(len(cols))]
+            if not any(t["reg"] == regs[0] for t in self.ctx.tables):
+                self.ctx.tables += [dict(reg=r, gather=g, label=f"{op.name} (table)") for r, g in zip(regs, gathers)]
+            return [f"{r}[subtile % 2, tab_slot]" for r in regs]
         view = f"view_in_{op.name}"
         wrap = "cutlass.Float32({})" if op.kind == "tile" else "{}"
         if op.kind == "row":
