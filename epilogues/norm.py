@@ -47,6 +47,25 @@ def rmsnorm_bwd(acc, x: cc.Tile, rstd: cc.RowVec, gamma: cc.ColVec):
 
 
 @cc.epilogue
+def rmsnorm_bwd_residual(acc, x: cc.Tile, rstd: cc.RowVec, gamma: cc.ColVec, dresidual: cc.Tile):
+    """rmsnorm_bwd for a pre-norm block, where x is also the residual stream, plus the weight
+    gradient's input.
+
+    D = dx_hat * rstd + dresidual (the residual branch's gradient joins in the epilogue);
+    x_norm = x_hat * gamma, the normalized input of the weight gradient (stored, not recomputed);
+    rowdot and dgamma as in rmsnorm_bwd.  Then dx = D - x_hat * rstd * rowdot / N.
+    """
+    x_hat = x * rstd
+    dx_hat = acc * gamma
+    return {
+        "D": dx_hat * rstd + dresidual,
+        "x_norm": x_hat * gamma,
+        "rowdot": cc.row_sum(dx_hat * x_hat),
+        "dgamma": cc.col_sum(acc * x_hat),
+    }
+
+
+@cc.epilogue
 def qk_rmsnorm(acc, gamma: cc.ColVec, *, head_dim=128, eps=1e-6):
     """Per-head RMSNorm of a q or k projection (QK-norm): a per-row reduction over each head."""
     ms = cc.row_sumsq(acc, segment=head_dim) / head_dim

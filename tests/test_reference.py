@@ -711,6 +711,31 @@ def test_rmsnorm_backward_matches_autograd(gen):
     close(finish("sum", res.partials["dgamma"]), out["dgamma"], F32)
 
 
+def test_rmsnorm_backward_with_residual_matches_autograd(gen):
+    """h_out = h + f(rmsnorm(h) @ w.T): the residual's gradient and the weight gradient's input."""
+    batch, seq, hidden, out_dim, eps = 2, 5, 12, 7, 1e-6
+    x = randn(gen, batch, seq, hidden, dtype=torch.float64).requires_grad_(True)
+    gamma = (randn(gen, hidden, dtype=torch.float64) + 1.0).requires_grad_(True)
+    w = randn(gen, out_dim, hidden, dtype=torch.float64).requires_grad_(True)
+    g_out = randn(gen, batch, seq, out_dim, dtype=torch.float64)
+    g_res = randn(gen, batch, seq, hidden, dtype=torch.float64)
+
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gamma
+    ((y @ w.t()) * g_out).sum().backward(retain_graph=True)
+    (x * g_res).sum().backward()  # the residual branch
+    rstd = torch.rsqrt(x.detach().pow(2).mean(-1) + eps)
+
+    ops = {"x": x.detach().float(), "rstd": rstd.float(), "gamma": gamma.detach().float(), "dresidual": g_res.float()}
+    out = cc.evaluate(library.get("rmsnorm_bwd_residual"), g_out.float(), w.detach().t().float(), ops,
+                      tile=(4, 8)).outputs
+    x_hat = x.detach() * rstd[..., None]
+    dx = out["D"].double() - x_hat * rstd[..., None] * out["rowdot"].double()[..., None] / hidden
+    close(dx, x.grad, dict(rtol=1e-4, atol=1e-5))
+    close(out["dgamma"], gamma.grad, F32)
+    close(out["x_norm"], y.detach(), F32)
+    close(gemm64(g_out.reshape(-1, out_dim).t(), out["x_norm"].reshape(-1, hidden).t()), w.grad, F32)
+
+
 def test_cross_entropy_stats_match_cross_entropy(gen):
     vocab, hidden = 20, 16  # M = 14 tokens != 20 classes
     h = randn(gen, *BATCH, hidden)
