@@ -17,9 +17,9 @@ def cross_entropy_stats(acc, target: cc.RowVec):
 
 @cc.epilogue
 def cross_entropy_bwd(acc, lse: cc.RowVec, target: cc.RowVec, dloss: cc.RowVec):
-    """Gradient of the per-row loss lse - logit[target] w.r.t. the logits, from recomputed logits:
+    """d logits of cross-entropy from recomputed logits: (softmax - onehot(target)) * dloss.
 
-    dlogits = (softmax(logits) - onehot(target)) * dloss, with softmax = exp(logits - lse);
+    The gradient of the per-row loss lse - logit[target], with softmax = exp(logits - lse);
     `lse` comes from cross_entropy_stats, `dloss` is the per-row gradient (0 for ignored rows).
     """
     prob = cc.exp(acc - lse)

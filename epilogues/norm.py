@@ -48,9 +48,9 @@ def rmsnorm_bwd(acc, x: cc.Tile, rstd: cc.RowVec, gamma: cc.ColVec):
 
 @cc.epilogue
 def rmsnorm_bwd_residual(acc, x: cc.Tile, rstd: cc.RowVec, gamma: cc.ColVec, dresidual: cc.Tile):
-    """rmsnorm_bwd for a pre-norm block, where x is also the residual stream, plus the weight
-    gradient's input.
+    """rmsnorm_bwd plus the residual stream's gradient and the weight gradient's normalized input.
 
+    For a pre-norm block, where x is also the residual stream:
     D = dx_hat * rstd + dresidual (the residual branch's gradient joins in the epilogue);
     x_norm = x_hat * gamma, the normalized input of the weight gradient (stored, not recomputed);
     rowdot and dgamma as in rmsnorm_bwd.  Then dx = D - x_hat * rstd * rowdot / N.
