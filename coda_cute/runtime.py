@@ -83,8 +83,6 @@ class Kernel:
                 )
             plan = self.plan(a, b, operands, out)
             self._plans[signature] = plan
-        else:
-            plan.check_pointers(a, b, operands, out)
         result = plan.run(a, b, operands, out, return_partials)
         self.launches += 1
         self.last = Launch("kernel", plan.config, plan.key)
@@ -104,8 +102,8 @@ class Kernel:
 
 @dataclass
 class CallPlan:
-    """What a call with a given signature (shapes, strides, dtypes, devices) needs: everything
-    but the data pointers, which are checked per call.  Keeps the warm call path short."""
+    """What every call with one signature (shapes, strides, dtypes, devices, pointer alignment)
+    needs, checked and decided once: the warm call path only allocates, launches and finishes."""
 
     program: Program
     config: KernelConfig
@@ -118,7 +116,6 @@ class CallPlan:
     outputs: list  # (name, cols, dtype)
     partials: list  # (name, shape)
     reshape: dict  # operand name -> shape its tensor is viewed as
-    aligned: list  # operand names whose data pointer must be 16-byte aligned
 
     @classmethod
     def build(cls, program: Program, problem: Problem, config: KernelConfig, function, key) -> "CallPlan":
@@ -130,15 +127,8 @@ class CallPlan:
             length = problem.m if o.axis == "row" else problem.cols(o.node.width)
             partials.append((o.name, (tiles, length) if o.reduce != "logsumexp" else (2, tiles, length)))
         reshape = {op.name: tuple(problem.operands[op.name].shape) for op in program.operands if op.kind != "scalar"}
-        aligned = [op.name for op in program.operands if op.kind == "tile"]
         return cls(program, config, function, key, problem.m, problem.k, problem.batch_shape, problem.a.device,
-                   outputs, partials, reshape, aligned)
-
-    def check_pointers(self, a, b, operands: dict, out: dict | None) -> None:
-        for label, t in (("A", a), ("B", b), *((f"operand {n!r}", operands[n]) for n in self.aligned),
-                         *((f"out[{n!r}]", t) for n, t in (out or {}).items())):
-            if not _aligned(t):
-                raise ArgumentError(f"{label}'s data pointer is not 16-byte aligned (offset view?)")
+                   outputs, partials, reshape)
 
     def run(self, a, b, operands: dict, out: dict | None, return_partials: bool):
         # the warm path: everything shape-dependent was decided in build(); reshapes only where
@@ -175,7 +165,12 @@ class CallPlan:
 
 
 def _tensor_signature(t):
-    return (t.dtype, t.device, tuple(t.shape), t.stride()) if isinstance(t, torch.Tensor) else type(t)
+    """What a plan depends on: dtype, device, shape, strides, and whether the data pointer is
+    16-byte aligned (so a warm call needs no separate pointer check: a misaligned tensor
+    misses the plan and is rejected while planning)."""
+    if not isinstance(t, torch.Tensor):
+        return type(t)
+    return t.dtype, t.device, tuple(t.shape), t.stride(), t.data_ptr() % 16 == 0
 
 
 def _signature(a, b, operands: dict, out: dict | None) -> tuple:

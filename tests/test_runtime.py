@@ -71,6 +71,8 @@ def test_signature_separates_what_changes_the_plan():
     assert _signature(a.bfloat16(), b, {}, None) != base
     assert _signature(a[:32], b, {}, None) != base
     assert _signature(a, b, {"bias": torch.randn(48)}, None) != base
+    offset = torch.randn(64 * 32 + 1)[1:].view(64, 32)  # same shape and strides, pointer off by 4 bytes
+    assert _signature(offset, b, {}, None) != base  # a misaligned tensor misses the plan
 
 
 def test_cpu_tensors_run_the_reference():
