@@ -1,0 +1,41 @@
+#!/bin/bash
+# One step of a GPU session on the H200, run from the repository root:
+#
+#   bash benchmarks/h200_run.sh tests    # GPU tests, 4 processes (compiling is what takes time)
+#   bash benchmarks/h200_run.sh runtime  # compile / warm-load / per-call costs
+#   bash benchmarks/h200_run.sh ops [D [MODE ...]]  # fused ops vs cuBLAS / eager / torch.compile
+#                                                 # (MODE: default, max-autotune-no-cudagraphs)
+#   bash benchmarks/h200_run.sh block [D ...]  # Llama MLP and block, forward + backward
+#
+# Results and logs go to $OUT (the device tool's output folder) or ./h200-out. With the
+# carried CuTe DSL bundle, source .device/setup.sh first; set CODA_COMMIT (no git there). Each step fits the device tool's
+# 10-minute limit at one d (max-autotune compiles for minutes per op: run it on its own).
+set -u
+step=${1:?tests, runtime, ops or block}
+shift
+out=${OUT:-h200-out}
+mkdir -p "$out"
+export PYTHONPATH=$PWD:${PYTHONPATH:-} CODA_CUTE_CACHE_DIR=${CODA_CUTE_CACHE_DIR:-/tmp/coda-cute-cache}
+case $step in
+  tests)
+    i=0
+    for k in "library_program and (300x528 or 1x272)" "library_program and not (300x528 or 1x272)" \
+             "random_composition" "not library_program and not random_composition"; do
+      i=$((i + 1))
+      python -m pytest tests/test_gpu_kernels.py tests/test_gpu_nn.py -q -p no:cacheprovider -k "$k" \
+        > "$out/tests$i.log" 2>&1 &
+    done
+    wait
+    tail -n 3 "$out"/tests*.log ;;
+  runtime)
+    python benchmarks/bench_runtime.py --out "$out/runtime.json" ;;
+  ops)
+    d=${1:-4096}
+    shift || true
+    python benchmarks/bench_sm90.py --d "$d" --compile-modes "${@:-default}" --out "$out/ops-d$d.json" ;;
+  block)
+    python benchmarks/bench_block.py --d "${@:-4096}" --out "$out/block.json" ;;
+  *)
+    echo "unknown step $step: tests, runtime, ops or block" >&2
+    exit 2 ;;
+esac
