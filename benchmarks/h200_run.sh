@@ -8,8 +8,9 @@
 #   bash benchmarks/h200_run.sh block [D ...]  # Llama MLP and block, forward + backward
 #
 # Results and logs go to $OUT (the device tool's output folder) or ./h200-out. With the
-# carried CuTe DSL bundle, source .device/setup.sh first; set CODA_COMMIT (no git there). Each step fits the device tool's
-# 10-minute limit at one d (max-autotune compiles for minutes per op: run it on its own).
+# carried CuTe DSL bundle, source .device/setup.sh first; set CODA_COMMIT (there is no git
+# there). Each step fits the device tool's 10-minute limit at one d (max-autotune compiles
+# for minutes per op: run it on its own).
 set -u
 step=${1:?tests, runtime, ops or block}
 shift
