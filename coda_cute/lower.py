@@ -52,11 +52,11 @@ ELEMENTWISE_CODE = {
     "sqrt": "cute.math.sqrt({0})",
     "rsqrt": "cute.math.rsqrt({0})",
     "tanh": "cute.math.tanh({0})",
-    "sigmoid": "1.0 / (1.0 + cute.math.exp(-{0}, fastmath=True))",
+    "sigmoid": "sigmoid({0})",
     "relu": "cute.math.max({0}, 0.0)",
     "gelu": "0.5 * {0} * (1.0 + cute.math.erf({0} * 0.7071067811865476))",
     "gelu_tanh": "0.5 * {0} * (1.0 + cute.math.tanh(0.7978845608028654 * ({0} + 0.044715 * {0} * {0} * {0})))",
-    "silu": "{0} / (1.0 + cute.math.exp(-{0}, fastmath=True))",
+    "silu": "{0} * sigmoid({0})",
     "lt": "{0} < {1}",
     "le": "{0} <= {1}",
     "gt": "{0} > {1}",
@@ -448,6 +448,8 @@ class _Body:
 
     def elementwise(self, node: Node, args: list[list[str]]) -> list[str]:
         code = ELEMENTWISE_CODE[node.op]
+        if node.op in ("sigmoid", "silu"):
+            self.ctx.helpers.add("sigmoid")
         numbers = [a for a in node.args if a.dtype != "bool"]
         floating = node.dtype == "f32" or node.op == "div" or any(a.dtype == "f32" for a in numbers)
         kind = "cutlass.Int32" if node.dtype == "i32" else "cutlass.Float32"
