@@ -395,7 +395,7 @@ def precompile_requests(args) -> list[tuple[Program, KernelConfig]]:
     clusters = [parse_cluster(c) for c in args.cluster] if args.cluster else [None]
     schedules = args.schedule or [None]
     # Each value on its own must be valid (a typo is an error); combinations that do not go
-    # together (a ping-pong schedule with a 128-row tile) are skipped by precompile_pairs.
+    # together (a ping-pong schedule with a 128x256 tile) are skipped by precompile_pairs.
     for schedule in args.schedule or []:
         if schedule not in SCHEDULES:
             raise UnsupportedError(f"schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
@@ -487,7 +487,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, several: bool = False) ->
                             f"(default {cluster_default})")
     schedule_default = "what the runtime picks for large problems" if several else d.schedule
     group.add_argument("--schedule", **default(d.schedule), metavar="SCHEDULE",
-                       help=f"consumer warpgroups: {', '.join(SCHEDULES)} (pingpong needs a 64-row tile; "
+                       help=f"consumer warpgroups: {', '.join(SCHEDULES)} (pingpong needs a tile of at most 128x128; "
                             f"default {schedule_default})")
     group.add_argument("--operand-dtype", action="append", metavar="NAME=DTYPE",
                        help=f"dtype of a tensor operand ({', '.join(CUTE_DTYPES)}; default: the input dtype); "

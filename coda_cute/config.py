@@ -59,9 +59,10 @@ class KernelConfig:
             raise UnsupportedError(f"cluster {self.cluster} is not supported; choose one of {CLUSTER_SHAPES}")
         if self.schedule not in SCHEDULES:
             raise UnsupportedError(f"schedule {self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
-        if self.schedule == "pingpong" and self.tile[0] != 64:
+        if self.schedule == "pingpong" and self.tile[0] * self.tile[1] > 128 * 128:
             raise UnsupportedError(
-                f"tile {self.tile}: ping-pong gives each warpgroup a whole tile, so the tile has 64 rows (64x128, 64x256)"
+                f"tile {self.tile}: ping-pong gives each warpgroup a whole tile, whose fp32 accumulator must fit "
+                "128 registers per thread (64x128, 64x256, 128x64, 128x128)"
             )
         if self.swizzle < 1:
             raise UnsupportedError(f"swizzle {self.swizzle} must be >= 1")

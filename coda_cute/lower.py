@@ -229,14 +229,14 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
             elems = tile_m if is_row else int(tile_n * op.width)
             base = "row0" if is_row else {HALF: "col0 // 2", ONE: "col0", TWO: "2 * col0"}[op.width]
             length = "M" if is_row else {HALF: "N // 2", ONE: "N", TWO: "2 * N"}[op.width]
-            threads = 128 if config.schedule == "pingpong" else 128 * (tile_m // 64)
+            threads = _tile_threads(config)
             ctx.vectors.append(dict(
                 name=op.name, gmem=name, smem=f"smem_in_{op.name}", view=f"view_in_{op.name}", is_row=is_row,
                 width=op.width, elems=elems, base=base, length=length, loads_per_thread=-(-elems // threads),
             ))
     ctx.epi_load_bytes = sum(tile_m * t["cols"] * DTYPE_BYTES[t["dtype"]] for t in ctx.tile_inputs)
     if ctx.col_reductions:
-        ctx.col_scratch_elems = len(ctx.col_reductions) * (tile_m // 16) * ctx.epi_n
+        ctx.col_scratch_elems = len(ctx.col_reductions) * (_tile_threads(config) // 32) * ctx.epi_n
     # views through accumulator coordinates (see acc_view_of_ring / acc_view_of_vector)
     for t in ctx.tile_outputs + ctx.tile_inputs:
         if t["fast"]:
@@ -248,6 +248,16 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
         for lane in ([""] if v["is_row"] else _view_lanes(v["width"])):
             ctx.views.append(dict(name=v["view"] + lane,
                                   expr=f"acc_view_of_vector({v['smem']}, {v['is_row']}, {v['elems']}, {lane[1:] or 0})"))
+
+
+def _mma_blocks(config: KernelConfig) -> int:
+    """64-row MMA blocks per consumer thread (`mma_m` in the kernel)."""
+    return config.tile[0] // 64 if config.schedule == "pingpong" else 1
+
+
+def _tile_threads(config: KernelConfig) -> int:
+    """Threads that compute one tile: a warpgroup per 64 rows (cooperative) or one warpgroup (ping-pong)."""
+    return 128 if config.schedule == "pingpong" else 128 * (config.tile[0] // 64)
 
 
 def _uses_fragments(width: Fraction, dtype: str) -> bool:
@@ -266,9 +276,11 @@ def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, in
     The mainloop needs about AB_STAGES_WANTED stages in flight; epilogue rings (tile outputs
     and inputs, EPI_STAGES subtiles each) share the same memory.  Subtiles of 32 accumulator
     columns are preferred; programs with wide rings (2N outputs or inputs) fall back to 16
-    columns when that buys mainloop stages."""
+    columns when that buys mainloop stages.  A ping-pong warpgroup computing 128 rows holds
+    two MMA blocks per thread, so its per-subtile registers double: it takes 16 columns."""
     best = None
-    for epi_n in EPI_N_CHOICES:
+    choices = EPI_N_CHOICES[::-1] if _mma_blocks(config) > 1 else EPI_N_CHOICES
+    for epi_n in choices:
         ctx = Context(program=program, config=config, cfg={}, class_name=_class_name(program.name), epi_n=epi_n)
         _declare_tensors(ctx, program, config)
         if any(t["cols"] * DTYPE_BYTES[t["dtype"]] < 16 for t in ctx.tile_outputs + ctx.tile_inputs):
@@ -317,7 +329,9 @@ def _stages(ctx: Context, config: KernelConfig) -> tuple[int, int] | None:
 class _Body:
     def __init__(self, ctx: Context, program: Program, config: KernelConfig, lines: list | None = None):
         self.ctx, self.program, self.config = ctx, program, config
-        self.prefetch_tables = lines is None  # the per-subtile body; segment reductions read tables directly
+        # tables are prefetched a subtile ahead in the per-subtile body; segment reductions, and
+        # warpgroups holding two MMA blocks (no registers to spare), read them where they are used
+        self.prefetch_tables = lines is None and _mma_blocks(config) == 1
         self.lanes: dict[int, list[str]] = {}
         self.taken: set[str] = set()
         self.lines = ctx.body if lines is None else lines
@@ -562,7 +576,7 @@ class _Body:
         slot = ctx.col_reductions.index(out.name)
         identity = _IDENTITY[kind]
         lanes = self.lanes[id(out.node)]
-        warps = self.config.tile[0] // 16  # consumer warps: 16 rows of a tile each
+        warps = _tile_threads(self.config) // 32  # the warps that compute one tile
         offset = slot * warps * ctx.epi_n
         ctx.helpers.add("where")
         ctx.subtile_prologue += [f"{reg} = cute.make_rmem_tensor((EPI_N // 4,), cutlass.Float32)", f"{reg}.fill({identity})"]

@@ -27,6 +27,7 @@ def _lowerable(config):
 CONFIGS = {
     "cluster2x1": KernelConfig(tile=(128, 256), cluster=(2, 1)),
     "single_cta": KernelConfig(tile=(128, 128), cluster=(1, 1)),
+    "pingpong128": KernelConfig(tile=(128, 128), cluster=(1, 2), schedule="pingpong"),  # two MMA blocks per warpgroup
 }
 
 

@@ -159,6 +159,7 @@ def test_majors(majors):
     ((128, 256), (2, 1), "cooperative"), ((128, 128), (1, 2), "cooperative"), ((64, 256), (1, 1), "cooperative"),
     ((128, 64), (2, 1), "cooperative"), ((64, 128), (1, 1), "cooperative"),
     ((64, 256), (2, 1), "pingpong"), ((64, 128), (1, 2), "pingpong"), ((64, 256), (1, 1), "pingpong"),
+    ((128, 128), (1, 2), "pingpong"), ((128, 64), (2, 1), "pingpong"),
 ])
 def test_tiles(tile, cluster, schedule):
     run_and_compare(library.get("residual_sumsq"), 777, 1040, 264, tile=tile, cluster=cluster, schedule=schedule)
@@ -169,6 +170,12 @@ def test_library_program_pingpong(name):
     program = _sized(name, 1040)
     tile = (64, 128) if any(o.node.width > 1 for o in program.tile_outputs) else (64, 256)
     run_and_compare(program, 700, 1040, 136, tile=tile, cluster=(2, 1), schedule="pingpong")
+
+
+@pytest.mark.parametrize("name", _gpu_programs())
+def test_library_program_pingpong_two_mma_blocks(name):
+    """Ping-pong with 128-row tiles: each warpgroup holds two 64-row MMA blocks per thread."""
+    run_and_compare(_sized(name, 1040), 700, 1040, 136, tile=(128, 128), cluster=(1, 2), schedule="pingpong")
 
 
 def test_fp16_inputs():

@@ -26,6 +26,7 @@ CONFIGS = [
     ("gemm", KernelConfig(tile=(128, 64))),
     ("gemm", KernelConfig(tile=(64, 256), schedule="pingpong", cluster=(2, 1))),
     ("gemm", KernelConfig(tile=(64, 128), schedule="pingpong")),
+    ("gemm", KernelConfig(tile=(128, 128), schedule="pingpong", cluster=(1, 2))),  # two MMA blocks per warpgroup
     ("rmsnorm_bwd", KernelConfig(tile=(128, 256), cluster=(1, 2))),  # 16-column subtiles
 ]
 THREADS = (0, 1, 2, 3, 4, 31, 32, 63, 77, 127, 128, 200, 255)
@@ -37,7 +38,7 @@ def _check_fragment_slots(source: str) -> int:
 
     kernel = import_source(source)
     slot_expr = re.search(r"^\s*slot0 = (.+)$", source, re.M).group(1)  # the body's own formula
-    slot_of = eval(f"lambda h, j, EPI_N: {slot_expr}")  # our template's text, not user input
+    slot_of = eval(f"lambda h, j, m_block, mma_m, EPI_N: {slot_expr}")  # our template's text, not user input
     threads = [t for t in THREADS if t < kernel.TILE_THREADS]
     checked = []
 
@@ -59,11 +60,12 @@ def _check_fragment_slots(source: str) -> int:
             ctidx = threads[ctidx]
             coords = tiled_mma.get_slice(ctidx).partition_C(cute.make_identity_tensor((kernel.TILE_M, kernel.TILE_N)))
             fragment = store.get_slice(ctidx).partition_S(cute.make_identity_tensor((kernel.TILE_M, epi_n)))
+            mma_m = cute.size(coords, mode=[1])
             for subtile in cutlass.range_constexpr(kernel.EPI_SUBTILES):
-                for m_block in cutlass.range_constexpr(cute.size(coords, mode=[1])):
+                for m_block in cutlass.range_constexpr(mma_m):
                     for j in cutlass.range_constexpr(subtile * (epi_n // 8), (subtile + 1) * (epi_n // 8)):
                         for h in cutlass.range_constexpr(2):
-                            slot0 = slot_of(h, j, epi_n)
+                            slot0 = slot_of(h, j, m_block, mma_m, epi_n)
                             for e in cutlass.range_constexpr(2):
                                 row, col = coords[((e, h, j), m_block, 0)]
                                 f_row, f_col = fragment[slot0 + e]
@@ -91,6 +93,8 @@ VIEW_CONFIGS = [
     ("swiglu_bwd", KernelConfig(tile=(128, 256), cluster=(1, 2))),  # 2N-wide input and output, 16-column subtiles
     ("swiglu_bwd", KernelConfig(tile=(64, 256), schedule="pingpong", cluster=(2, 1))),
     ("swiglu_bwd_recompute", KernelConfig(tile=(128, 128))),
+    ("swiglu_bwd", KernelConfig(tile=(128, 128), schedule="pingpong")),
+    ("swiglu", KernelConfig(tile=(128, 128), schedule="pingpong")),
 ]
 
 
