@@ -1,6 +1,7 @@
-"""Benchmark: the Llama MLP half and the whole block, forward + backward, fused vs PyTorch.
+"""Benchmark: the Llama MLP half, the whole block and the LM head + loss, forward + backward,
+fused vs PyTorch.
 
-    python benchmarks/bench_block.py [--d 4096] [--tokens 8192] [--reps 5] [--out block.json]
+    python benchmarks/bench_block.py [--d 4096] [--tokens 8192] [--reps 5] [--vocab 128256] [--out block.json]
 
 Contenders, interleaved in one process: coda-cute's LlamaMLP / LlamaBlock; the same math in
 plain PyTorch (eager) and under torch.compile (dynamic=False); cuBLAS GEMMs alone (the
@@ -17,7 +18,9 @@ import time
 
 import torch
 
-from coda_cute.nn import LlamaBlock, LlamaMLP, llama_attention_reference, llama_mlp_reference, split_gate_up
+from coda_cute.nn import (
+    LlamaBlock, LlamaMLP, linear_cross_entropy, llama_attention_reference, llama_mlp_reference, split_gate_up,
+)
 
 SHAPES = {2048: (8192, 16, 8), 4096: (14336, 32, 8), 8192: (28672, 64, 8)}  # d -> (ffn, heads, kv heads)
 
@@ -34,6 +37,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--vocab", type=int, default=128256, help="LM head + cross-entropy case (0: skip it)")
     parser.add_argument("--out", default="block.json")
     args = parser.parse_args()
     from triton.testing import do_bench
@@ -78,6 +82,24 @@ def main():
             "block": {"coda-cute": lambda: _step(block, h, grad), "torch eager": lambda: _step(block_eager, h, grad),
                       "torch.compile": (lambda c=torch.compile(block_eager, dynamic=False): _step(c, h, grad))},
         }
+        if args.vocab:
+            w_head = (torch.randn(args.vocab, d, device="cuda") * d ** -0.5).bfloat16().requires_grad_()
+            target = torch.randint(0, args.vocab, (batch, args.seq), device="cuda")
+
+            def head_eager(x):
+                return torch.nn.functional.cross_entropy((x @ w_head.t()).float().flatten(0, 1), target.flatten())
+
+            def head_gemms():  # logits, dh and dW: three GEMMs of the head, nothing else
+                logits = x2 @ w_head.t()
+                logits @ w_head  # noqa: B018
+                logits.t() @ x2  # noqa: B018
+
+            cases["LM head + cross-entropy"] = {
+                "coda-cute": lambda: linear_cross_entropy(h, w_head, target).backward(),
+                "torch eager": lambda: head_eager(h).backward(),
+                "torch.compile": (lambda c=torch.compile(head_eager, dynamic=False): c(h).backward()),
+                "cuBLAS GEMMs alone": head_gemms,
+            }
         for name, contenders in cases.items():
             for f in contenders.values():
                 f()  # compile / warm up
