@@ -1,5 +1,6 @@
-"""Train a few steps of a small Llama-style model whose blocks are fused GEMM+epilogue programs,
-next to the same model written in plain PyTorch, from the same seed and the same batches.
+"""Train a few steps of a small Llama-style model whose blocks (and LM head + loss) are fused
+GEMM+epilogue programs, next to the same model written in plain PyTorch, from the same seed
+and the same batches.
 
     python examples/train_llama.py [--steps 8] [--layers 2]
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coda_cute.nn import LlamaBlock, llama_attention_reference, llama_mlp_reference
+from coda_cute.nn import LlamaBlock, linear_cross_entropy, llama_attention_reference, llama_mlp_reference
 
 
 class FusedModel(nn.Module):
@@ -27,11 +28,12 @@ class FusedModel(nn.Module):
         self.norm = nn.RMSNorm(d, eps=1e-6, dtype=dtype, device=device)
         self.head = nn.Linear(d, vocab, bias=False, dtype=dtype, device=device)
 
-    def forward(self, tokens):
+    def loss(self, tokens, targets):
         h, sumsq = self.embed(tokens), None
         for block in self.blocks:
             h, sumsq = block(h, sumsq)  # each residual GEMM hands the next norm its statistics
-        return self.head(self.norm(h))
+        # the LM head's logits are never stored: its GEMM epilogue keeps log-sum-exp statistics
+        return linear_cross_entropy(self.norm(h), self.head.weight, targets)
 
 
 class ReferenceModel(nn.Module):
@@ -55,7 +57,7 @@ class ReferenceModel(nn.Module):
             att = block.attention
             self.config.append((att.n_heads, att.n_kv_heads, att.head_dim, att.cos, att.sin, att.eps, block.mlp.eps))
 
-    def forward(self, tokens):
+    def loss(self, tokens, targets):
         h = self.embed(tokens)
         for p, (heads, kv, hd, cos, sin, eps, mlp_eps) in zip(self.layers, self.config):
             h = llama_attention_reference(h, p["input_layernorm_weight"], p["self_attn_q_proj_weight"],
@@ -63,7 +65,8 @@ class ReferenceModel(nn.Module):
                                           p["self_attn_o_proj_weight"], heads, kv, hd, cos, sin, eps)
             h = llama_mlp_reference(h, p["post_attention_layernorm_weight"], p["mlp_gate_proj_weight"],
                                     p["mlp_up_proj_weight"], p["mlp_down_proj_weight"], mlp_eps)
-        return self.head(self.norm(h))
+        logits = self.head(self.norm(h))
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def main():
@@ -86,8 +89,7 @@ def main():
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=data).to(device)
         losses = []
         for model, opt in zip((fused, reference), opts):
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+            loss = model.loss(tokens[:, :-1], tokens[:, 1:])
             opt.zero_grad()
             loss.backward()
             opt.step()
