@@ -75,7 +75,8 @@ def test_random_composition_compiles_without_spills(seed, tmp_path):
     from random_programs import random_program
 
     program = random_program(seed)
-    config = KernelConfig(tile=(64, 256), cluster=(1, 2), schedule="pingpong") if seed % 2 else KernelConfig()
+    config = [KernelConfig(), KernelConfig(tile=(64, 256), cluster=(1, 2), schedule="pingpong"),
+              KernelConfig(tile=(128, 128), cluster=(1, 2), schedule="pingpong")][seed % 3]
     compiled = compile_program(program, config, keep=("sass",), dump_dir=tmp_path / "dump",
                                source_dir=tmp_path / "src", report=True)
     sass = compiled.artifacts["sass"].read_text()

@@ -230,9 +230,9 @@ def test_random_composition(seed):
     sys.path.insert(0, str(Path(__file__).parent))
     from random_programs import random_program
 
-    schedule, tile = (("pingpong", (64, 256)) if seed % 3 == 0 else ("cooperative", None))
-    run_and_compare(random_program(seed), 300, 528, 200, tile=tile, cluster=(2, 1) if tile else None,
-                    schedule=schedule if tile else None, seed=seed)
+    tile, cluster, schedule = [((64, 256), (2, 1), "pingpong"), ((128, 128), (1, 2), "pingpong"),
+                               (None, None, None)][seed % 3]
+    run_and_compare(random_program(seed), 300, 528, 200, tile=tile, cluster=cluster, schedule=schedule, seed=seed)
 
 
 def test_cuda_graph_capture_of_a_warm_kernel_and_refusal_when_cold():
