@@ -94,7 +94,6 @@ class Context:
     col_reductions: list = field(default_factory=list)
     col_scratch_elems: int = 0
     segments: list = field(default_factory=list)  # registers of segment reductions
-    tables: list = field(default_factory=list)  # table reads prefetched into registers, one subtile ahead
     epi_n: int = EPI_N_CHOICES[0]
     helpers: set = field(default_factory=set)  # module-level helper functions the body calls
 
@@ -329,9 +328,6 @@ def _stages(ctx: Context, config: KernelConfig) -> tuple[int, int] | None:
 class _Body:
     def __init__(self, ctx: Context, program: Program, config: KernelConfig, lines: list | None = None):
         self.ctx, self.program, self.config = ctx, program, config
-        # tables are prefetched a subtile ahead in the per-subtile body; segment reductions, and
-        # warpgroups holding two MMA blocks (no registers to spare), read them where they are used
-        self.prefetch_tables = lines is None and _mma_blocks(config) == 1
         self.lanes: dict[int, list[str]] = {}
         self.taken: set[str] = set()
         self.lines = ctx.body if lines is None else lines
@@ -485,13 +481,7 @@ class _Body:
             return [name]
         if op.kind == "table":
             cols = self.values(Node("col", (), (), "i32", op.width))
-            gathers = [f"cutlass.Float32({name}[(row % {name}.shape[0], ({c}) % {name}.shape[1])])" for c in cols]
-            if not self.prefetch_tables:
-                return gathers
-            regs = [f"tab_{op.name}" + (f"_{k}" if len(cols) > 1 else "") for k in range(len(cols))]
-            if not any(t["reg"] == regs[0] for t in self.ctx.tables):
-                self.ctx.tables += [dict(reg=r, gather=g, label=f"{op.name} (table)") for r, g in zip(regs, gathers)]
-            return [f"{r}[subtile % 2, tab_slot]" for r in regs]
+            return [f"cutlass.Float32({name}[(row % {name}.shape[0], ({c}) % {name}.shape[1])])" for c in cols]
         view = f"view_in_{op.name}"
         wrap = "cutlass.Float32({})" if op.kind == "tile" else "{}"
         if op.kind == "row":
