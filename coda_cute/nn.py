@@ -368,6 +368,9 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
     if weight.dim() != 2 or weight.shape[1] != h.shape[-1]:
         raise ArgumentError(f"weight must be (vocab, {h.shape[-1]}) for h of width {h.shape[-1]}, "
                             f"got {tuple(weight.shape)}")
+    if h.is_cuda and weight.shape[0] % 8:  # the backward's d logits rows are stored with TMA
+        raise ArgumentError(f"linear_cross_entropy on the GPU needs a vocabulary that is a multiple of 8, got "
+                            f"{weight.shape[0]} (pad the head with rows whose targets never occur)")
     return _LinearCrossEntropy.apply(h, weight, target, ignore_index, reduction)
 
 

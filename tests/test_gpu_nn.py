@@ -107,6 +107,13 @@ def test_linear_cross_entropy_matches_autograd(tokens, d, vocab):
     assert _rel(w.grad, w_ref.grad) < 2e-2
 
 
+def test_linear_cross_entropy_rejects_a_vocabulary_tma_cannot_store():
+    h = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1001, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(Exception, match="multiple of 8, got 1001"):
+        linear_cross_entropy(h, w, torch.zeros(64, dtype=torch.long, device="cuda"))
+
+
 def test_llama_mlp_forward_backward_replays_in_a_cuda_graph():
     """One training step (forward + backward) captured once, replayed on new data: same
     outputs and gradients as an eager step of an identical module on that data."""
