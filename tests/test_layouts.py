@@ -44,16 +44,10 @@ def _check_fragment_slots(source: str) -> int:
 
     @cute.jit
     def probe():
-        tiled_mma = kernel.sm90_utils.make_trivial_tiled_mma(
-            kernel.AB_DTYPE, kernel.AB_DTYPE, kernel.a_major_mode(), kernel.b_major_mode(), cutlass.Float32,
-            (kernel.TILE_WARPGROUPS, 1, 1), tiler_mn=(64, kernel.TILE_N),
-        )
-        acc_copy = cute.make_tiled_copy_C_atom(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16), tiled_mma
-        )
-        store = cute.make_tiled_copy_S(
+        tiled_mma = kernel.make_tiled_mma()  # the kernel's own constructions, not copies of them
+        store = cute.make_tiled_copy_S(  # as the kernel's subtile_fragment
             kernel.sm90_utils.get_smem_store_op(kernel.LayoutEnum.ROW_MAJOR, cutlass.BFloat16, cutlass.Float32),
-            acc_copy,
+            kernel.make_acc_copy_layout(tiled_mma),
         )
         epi_n = kernel.EPI_N
         for ctidx in cutlass.range_constexpr(len(threads)):  # unrolled while tracing: all static
@@ -111,10 +105,7 @@ def _check_ring_views(source: str, width: str) -> int:
 
     @cute.jit
     def probe():
-        tiled_mma = kernel.sm90_utils.make_trivial_tiled_mma(
-            kernel.AB_DTYPE, kernel.AB_DTYPE, kernel.a_major_mode(), kernel.b_major_mode(), cutlass.Float32,
-            (kernel.TILE_WARPGROUPS, 1, 1), tiler_mn=(64, kernel.TILE_N),
-        )
+        tiled_mma = kernel.make_tiled_mma()
         ring = cute.make_identity_tensor((kernel.TILE_M, cols, stages))  # (row, ring column, stage)
         for t in cutlass.range_constexpr(len(threads)):
             thr = tiled_mma.get_slice(threads[t])
