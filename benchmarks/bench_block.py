@@ -2,6 +2,7 @@
 fused vs PyTorch.
 
     python benchmarks/bench_block.py [--d 4096] [--tokens 8192] [--reps 5] [--vocab 128256] [--out block.json]
+                                     [--profile]
 
 Contenders, interleaved in one process: coda-cute's LlamaMLP / LlamaBlock; the same math in
 plain PyTorch (eager) and under torch.compile (dynamic=False); cuBLAS GEMMs alone (the
@@ -39,6 +40,8 @@ def main():
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--vocab", type=int, default=128256, help="LM head + cross-entropy case (0: skip it)")
     parser.add_argument("--out", default="block.json")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print each contender's kernels (torch.profiler, one step, by GPU time)")
     args = parser.parse_args()
     from triton.testing import do_bench
 
@@ -114,6 +117,21 @@ def main():
             print(row["what"], f"d={d}", " | ".join(f"{k}: {v['ms']:.3f} ms" for k, v in row.items()
                                                         if isinstance(v, dict)), flush=True)
             _write(args, rows)  # after every case: a run cut short keeps what it measured
+            if args.profile:
+                for key, f in contenders.items():
+                    _profile(f"{name} / {key}, d={d}", f)
+
+
+def _profile(title, f):
+    """Where a step's GPU time goes: its kernels, summed by name, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        f()
+        torch.cuda.synchronize()
+    print(f"--- {title}", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90), flush=True)
 
 
 def _write(args, rows):

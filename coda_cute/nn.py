@@ -15,9 +15,10 @@ forward
 backward (dh_out)
   5. `swiglu_bwd_recompute`: dz = SwiGLU'(z) * (dh_out @ W_down), and a recomputed (not saved);
   6. dW_down = dh_out.T @ a (a plain GEMM);
-  7. `rmsnorm_bwd`: dx_hat * rstd, row dots and dgamma partials in the dgrad dz @ W_gate_up;
-  8. dW_gate_up = dz.T @ x with x = h * rstd * gamma recomputed (an elementwise pass; the
-     normalized input is not saved), and dh = dh_out + D - h * rstd^2 * rowdot / d (elementwise).
+  7. `rmsnorm_bwd_residual`: in the dgrad dz @ W_gate_up, D = dx_hat * rstd + dh_out, the
+     normalized input x = h * rstd * gamma (stored for the weight gradient, not saved from the
+     forward), row dots and dgamma partials;
+  8. dW_gate_up = dz.T @ x, and dh = D - h * rstd^2 * rowdot / d (one elementwise pass).
 
 GEMMs with nothing to fuse (weight gradients, the O projection's dgrad) call cuBLAS
 through ``torch.matmul``: coda-cute's own plain GEMM runs at 0.95-0.97x cuBLAS on the H200
@@ -27,7 +28,9 @@ through ``torch.matmul``: coda-cute's own plain GEMM runs at 0.95-0.97x cuBLAS o
 RoPE in the QKV GEMM's epilogue; q/k weight rows in interleaved-pair order, see
 ``rotate_half_to_interleaved``), PyTorch SDPA for attention itself, and `residual_sumsq`
 for the O projection.  RoPE's backward (the inverse rotation of dq, dk) acts on the QKV
-dgrad's *input*, so it runs as one elementwise pass before that GEMM.
+dgrad's *input*, so it runs as one elementwise pass (a complex multiply) before that GEMM,
+whose epilogue is `rmsnorm_bwd_residual` as in the MLP: the residual stream h passes through
+the QKV step's autograd function, so its gradient arrives there to join in the epilogue.
 ``LlamaBlock`` chains the two, passing the residual statistics from one to the next.
 
 On CPU tensors every program runs in the reference interpreter, so the modules also
@@ -78,7 +81,7 @@ def _heads(w: torch.Tensor, head_dim: int) -> int:
 
 # registered at import, so torch.compile traces straight to the ops (no file access while tracing)
 _OPS = {name: library_op(library.get(name))
-        for name in ("rms_swiglu_save", "residual_sumsq", "swiglu_bwd_recompute", "rmsnorm_bwd", "cross_entropy_stats", "cross_entropy_bwd")}
+        for name in ("rms_swiglu_save", "residual_sumsq", "swiglu_bwd_recompute", "rmsnorm_bwd_residual", "cross_entropy_stats", "cross_entropy_bwd")}
 
 
 class _LlamaMLPFunction(torch.autograd.Function):
@@ -107,17 +110,17 @@ class _LlamaMLPFunction(torch.autograd.Function):
         return dh.to(dh_out.dtype).reshape(ctx.shape), None, dgamma, dw_gate_up, dw_down, None
 
 
-def _rmsnorm_backward(ops, d_pre, w, h, rstd, gamma, dh_residual=None):
-    """Gradients through `rstd * (h @ (w * gamma).T)` given d_pre, the gradient of its output:
-    (dh, dgamma, dw).  The dgrad's epilogue produces the norm's statistics (`rmsnorm_bwd`)."""
+def _rmsnorm_backward(ops, d_pre, w, h, rstd, gamma, dh_residual):
+    """Gradients through `h + g(rstd * (h @ (w * gamma).T))` given d_pre, the gradient of the
+    GEMM's output, and dh_residual, the gradient reaching h through the residual stream:
+    (dh, dgamma, dw).  The dgrad's epilogue (`rmsnorm_bwd_residual`) adds the residual gradient,
+    produces the norm's statistics and stores the normalized input for the weight gradient, so
+    only the row-statistics term is left for one elementwise pass."""
     d = h.shape[-1]
-    dx_scaled, rowdot, dgamma = ops["rmsnorm_bwd"](d_pre, w.t(), h, rstd, gamma)
-    x = (h * rstd[:, None]).mul_(gamma).to(h.dtype)  # the normalized input, recomputed (not saved)
+    partial_dh, x, rowdot, dgamma = ops["rmsnorm_bwd_residual"](d_pre, w.t(), h, rstd, gamma, dh_residual)
     dw = d_pre.t() @ x
-    dh = dx_scaled.float()
-    if dh_residual is not None:
-        dh += dh_residual
-    dh.addcmul_(h, (rstd * rstd * rowdot / d)[:, None], value=-1.0)  # the norm's row-statistics term
+    # the norm's row-statistics term (its per-row coefficient rounded to h's dtype; the sum in fp32)
+    dh = torch.addcmul(partial_dh, h, (rstd * rstd * rowdot / d)[:, None].to(h.dtype), value=-1.0)
     return dh, dgamma.to(gamma.dtype), dw
 
 
@@ -186,18 +189,33 @@ def _rope_op(rotary_cols: int):
 
 
 def _rope_inverse(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_cols: int) -> torch.Tensor:
-    """Rotate interleaved column pairs of the first `rotary_cols` columns back (RoPE backward)."""
-    dz = dy.float().clone()
-    pairs = rotary_cols // 2
-    rows = torch.arange(dy.shape[0], device=dy.device) % cos.shape[0]
-    cols = torch.arange(pairs, device=dy.device) % cos.shape[1]
-    c, s = cos[rows[:, None], cols[None, :]].float(), sin[rows[:, None], cols[None, :]].float()
-    y0, y1 = dz[:, 0:rotary_cols:2], dz[:, 1:rotary_cols:2]
-    dz[:, 0:rotary_cols:2], dz[:, 1:rotary_cols:2] = y0 * c + y1 * s, y1 * c - y0 * s
-    return dz
+    """Rotate interleaved column pairs of the first `rotary_cols` columns back (RoPE backward).
+
+    Row r is position r % len(cos); pair p uses table column p % cos.shape[1].  Each pair is a
+    complex number multiplied by exp(-i angle): one fp32 pass, then one cast into the output
+    (the columns past `rotary_cols`, v, are copied as they are)."""
+    rows, _ = dy.shape
+    positions, half = cos.shape
+    out = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
+    out[:, rotary_cols:] = dy[:, rotary_cols:]
+    if rotary_cols:
+        pairs = torch.view_as_complex(dy[:, :rotary_cols].float().reshape(rows, rotary_cols // 2, 2))
+        inverse = torch.complex(cos.float(), -sin.float())  # (positions, half)
+        if rows % positions == 0 and (rotary_cols // 2) % half == 0:  # whole sequences and heads: broadcast
+            turned = pairs.view(rows // positions, positions, -1, half) * inverse[None, :, None, :]
+        else:
+            at_row = torch.arange(rows, device=dy.device) % positions
+            at_col = torch.arange(rotary_cols // 2, device=dy.device) % half
+            turned = pairs * inverse[at_row[:, None], at_col[None, :]]
+        out[:, :rotary_cols] = torch.view_as_real(turned).reshape(rows, rotary_cols)
+    return out
 
 
 class _NormQKVRope(torch.autograd.Function):
+    """qkv = rope(rstd * (h @ (w_qkv * gamma).T)), and h itself passed through as the residual
+    stream, so that the residual's gradient reaches this backward and joins the norm's gradient
+    in the dgrad epilogue (instead of autograd adding the two afterwards)."""
+
     @staticmethod
     def forward(ctx, h, sumsq, gamma, w_qkv, cos, sin, rotary_cols, eps):
         h2 = h.reshape(-1, h.shape[-1])
@@ -206,13 +224,14 @@ class _NormQKVRope(torch.autograd.Function):
         qkv = _rope_op(rotary_cols)(h2, w_folded, rstd, cos, sin)
         ctx.save_for_backward(h2, rstd, gamma, w_qkv, cos, sin)
         ctx.rotary_cols, ctx.shape = rotary_cols, h.shape
-        return qkv
+        return qkv, h.view(h.shape)
 
     @staticmethod
-    def backward(ctx, dqkv):
+    def backward(ctx, dqkv, dresidual):
         h, rstd, gamma, w_qkv, cos, sin = ctx.saved_tensors
         d_pre = _rope_inverse(dqkv, cos, sin, ctx.rotary_cols).to(h.dtype)
-        dh, dgamma, dw = _rmsnorm_backward(_OPS, d_pre, w_qkv, h, rstd, gamma)
+        dresidual = dresidual.reshape(h.shape).to(h.dtype).contiguous()
+        dh, dgamma, dw = _rmsnorm_backward(_OPS, d_pre, w_qkv, h, rstd, gamma, dresidual)
         return dh.to(dqkv.dtype).reshape(ctx.shape), None, dgamma, dw, None, None, None, None
 
 
@@ -266,12 +285,13 @@ class LlamaAttention(nn.Module):
         _check_tokens(h, "LlamaAttention")
         hd, nq, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         rotary_cols = (nq + nkv) * hd
-        qkv = _NormQKVRope.apply(h, sumsq, self.gamma, self.w_qkv, self.cos[:seq], self.sin[:seq], rotary_cols, self.eps)
+        qkv, residual = _NormQKVRope.apply(h, sumsq, self.gamma, self.w_qkv, self.cos[:seq], self.sin[:seq],
+                                           rotary_cols, self.eps)
         q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
         q, k, v = (t.reshape(batch, seq, -1, hd).transpose(1, 2) for t in (q, k, v))
         attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nq != nkv)
         attn = attn.transpose(1, 2).reshape(batch, seq, nq * hd)
-        return _LinearResidual.apply(attn, self.w_o, h)
+        return _LinearResidual.apply(attn, self.w_o, residual)
 
     @torch.no_grad()
     def load_hf(self, norm_weight, q_proj, k_proj, v_proj, o_proj) -> "LlamaAttention":
