@@ -37,6 +37,9 @@ class KernelConfig:
     schedule: str = "cooperative"
     raster_along_m: bool = True
     swizzle: int = 1
+    #: mainloop (A/B) stages; 0 = as many as the shared memory left by the epilogue holds, at
+    #: least AB_STAGES_WANTED (lower.py); fewer leave room for deeper epilogue input rings
+    ab_stages: int = 0
     operand_dtypes: tuple[tuple[str, str], ...] = field(default=())
     #: Table operands' column periods P, baked in so `col % P` is cheap (unknown: P stays dynamic)
     table_periods: tuple[tuple[str, int], ...] = field(default=())
@@ -64,6 +67,8 @@ class KernelConfig:
                 f"tile {self.tile}: ping-pong gives each warpgroup a whole tile, whose fp32 accumulator must fit "
                 "128 registers per thread (64x128, 64x256, 128x64, 128x128)"
             )
+        if self.ab_stages and not 2 <= self.ab_stages <= 8:
+            raise UnsupportedError(f"ab_stages {self.ab_stages}: expected 2..8 mainloop stages, or 0 for automatic")
         if self.swizzle < 1:
             raise UnsupportedError(f"swizzle {self.swizzle} must be >= 1")
         return self
@@ -97,12 +102,13 @@ class KernelConfig:
     def key(self) -> tuple:
         """Hashable identity, in the order the emitted header prints it."""
         return (self.arch, self.gpu, self.dtype, self.majors, tuple(self.tile), tuple(self.cluster),
-                self.schedule, self.raster_along_m, self.swizzle, tuple(self.operand_dtypes),
+                self.schedule, self.raster_along_m, self.swizzle, self.ab_stages, tuple(self.operand_dtypes),
                 tuple(self.table_periods))
 
     def describe(self) -> str:
         return (f"{self.arch} {self.gpu} ({self.sm_count} SMs), {self.dtype} inputs, majors {self.majors}, "
-                f"tile {self.tile[0]}x{self.tile[1]}, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}")
+                f"tile {self.tile[0]}x{self.tile[1]}, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}"
+                + (f", {self.ab_stages} mainloop stages" if self.ab_stages else ""))
 
 
 def parse_pair(text: str, what: str) -> tuple[int, int]:

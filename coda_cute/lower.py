@@ -113,7 +113,7 @@ def lower(program: Program, config: KernelConfig) -> Context:
     config = config.check().resolved(program)
     _check_supported(program, config)
     tile_m, tile_n = config.tile
-    ctx, stages, ab_stages = _plan_smem(program, config)
+    ctx, stages, in_stages, ab_stages = _plan_smem(program, config)
     ctx.cfg = dict(
         arch=config.arch, gpu=config.gpu, sm_count=config.sm_count,
         ab_dtype=CUTE_DTYPES[config.dtype],
@@ -121,10 +121,10 @@ def lower(program: Program, config: KernelConfig) -> Context:
         a_layout="ROW_MAJOR" if config.majors[0] == "k" else "COL_MAJOR",
         b_layout="ROW_MAJOR" if config.majors[1] == "k" else "COL_MAJOR",
         tile_m=tile_m, tile_n=tile_n, tile_k=64, cluster_m=config.cluster[0], cluster_n=config.cluster[1],
-        ab_stages=ab_stages, epi_n=ctx.epi_n, epi_stages=stages, smem_budget=SMEM_BYTES[config.arch],
-        smem_planned=smem_bytes(ctx, stages, ab_stages),
+        ab_stages=ab_stages, epi_n=ctx.epi_n, epi_stages=stages, in_stages=in_stages,
+        smem_budget=SMEM_BYTES[config.arch], smem_planned=smem_bytes(ctx, stages, in_stages, ab_stages),
         raster_along_m=config.raster_along_m, swizzle=config.swizzle,
-        producer_regs=40, consumer_regs=232, pingpong=config.schedule == "pingpong",
+        producer_regs=48, consumer_regs=232, pingpong=config.schedule == "pingpong",
     )
     _Body(ctx, program, config).emit_all()
     names = ["a (M, K)", "b (N, K)"] + [p["doc"] for p in ctx.host_params] + ["stream"]
@@ -190,6 +190,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
             gmem=f"out_{out.name}", smem=f"smem_out_{out.name}", tma=f"tma_out_{out.name}",
             view=f"view_out_{out.name}", cute_dtype=f"cutlass.{CUTE_DTYPES[dtype]}", dtype=dtype, cols=cols,
             fast=_uses_fragments(out.node.width, dtype), xfer=f"r2s_out_{out.name}", frag=f"frag_out_{out.name}",
+            stages="EPI_STAGES",
         ))
         ctx.host_params.append(dict(name=f"out_{out.name}", annotation="cute.Tensor",
                                     doc=f"out_{out.name} (M, {width_str(out.node.width)}) {dtype}"))
@@ -219,6 +220,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
                 smem=f"smem_in_{op.name}", tma=f"tma_in_{op.name}", view=f"view_in_{op.name}",
                 cute_dtype=f"cutlass.{CUTE_DTYPES[dtype]}", dtype=dtype, cols=int(ctx.epi_n * op.width),
                 fast=_uses_fragments(op.width, dtype), xfer=f"s2r_in_{op.name}", frag=f"frag_in_{op.name}",
+                stages="IN_STAGES",
             ))
             continue
         ctx.kernel_params.append(name)
@@ -242,7 +244,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
             continue  # N-wide tiles go through stmatrix / ldmatrix fragments instead
         for lane in _view_lanes(t["width"]):
             ctx.views.append(dict(name=t["view"] + lane,
-                                  expr=f"acc_view_of_ring({t['smem']}, {t['cols']}, {lane[1:] or 0})"))
+                                  expr=f"acc_view_of_ring({t['smem']}, {t['cols']}, {lane[1:] or 0}, {t['stages']})"))
     for v in ctx.vectors:
         for lane in ([""] if v["is_row"] else _view_lanes(v["width"])):
             ctx.views.append(dict(name=v["view"] + lane,
@@ -269,26 +271,35 @@ def _view_lanes(width: Fraction) -> list[str]:
     return ["_0", "_1"] if width == TWO else [""]
 
 
-def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, int]:
-    """Pick the epilogue subtile width, EPI_STAGES and AB_STAGES that fit the SM's shared memory.
+def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, int, int]:
+    """Pick the epilogue subtile width and the stage counts that fit the SM's shared memory:
+    (context, EPI_STAGES, IN_STAGES, AB_STAGES).
 
-    The mainloop needs about AB_STAGES_WANTED stages in flight; epilogue rings (tile outputs
-    and inputs, EPI_STAGES subtiles each) share the same memory.  Subtiles of 32 accumulator
-    columns are preferred; programs with wide rings (2N outputs or inputs) fall back to 16
-    columns when that buys mainloop stages.  A ping-pong warpgroup computing 128 rows holds
-    two MMA blocks per thread, so its per-subtile registers double: it takes 16 columns."""
-    best = None
+    The mainloop needs about AB_STAGES_WANTED stages in flight (or exactly config.ab_stages);
+    the epilogue rings share the same memory: output rings of EPI_STAGES subtiles, input rings
+    of IN_STAGES subtiles.  Inputs are loaded by their own warp, which runs ahead into the next
+    tile while the mainloop computes; the deeper their ring, the less the epilogue waits on
+    memory, so inputs get the deepest ring that fits beside the mainloop stages.  Subtiles of 32
+    accumulator columns are preferred; programs with wide rings (2N outputs or inputs) take 16
+    columns when that buys mainloop stages.  A ping-pong warpgroup
+    computing 128 rows holds two MMA blocks per thread, so its per-subtile registers double: it
+    prefers 16 columns."""
+    best, best_rank = None, None
+    wanted = config.ab_stages or AB_STAGES_WANTED
     choices = EPI_N_CHOICES[::-1] if _mma_blocks(config) > 1 else EPI_N_CHOICES
-    for epi_n in choices:
+    for preference, epi_n in enumerate(choices):
         ctx = Context(program=program, config=config, cfg={}, class_name=_class_name(program.name), epi_n=epi_n)
         _declare_tensors(ctx, program, config)
         if any(t["cols"] * DTYPE_BYTES[t["dtype"]] < 16 for t in ctx.tile_outputs + ctx.tile_inputs):
             continue  # a subtile row under TMA's 16 bytes
-        stages = _stages(ctx, config)
-        if stages is not None and (best is None or stages[1] > best[2]):
-            best = (ctx, *stages)
-        if best is not None and best[2] >= AB_STAGES_WANTED:
-            break
+        stages = _stages(ctx, config, wanted)
+        if stages is None:
+            continue
+        # mainloop stages (up to the wanted count) first, then the preferred subtile width (16
+        # columns with deep input rings spilled registers in the kernels with column reductions)
+        rank = (min(stages[2], wanted), -preference)
+        if best is None or rank > best_rank:
+            best, best_rank = (ctx, *stages), rank
     if best is None:
         raise UnsupportedError(
             f"program {program.name!r} with tile {config.tile[0]}x{config.tile[1]} needs more shared memory than "
@@ -297,31 +308,41 @@ def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, in
     return best
 
 
-def smem_bytes(ctx: Context, epi_stages: int, ab_stages: int) -> int:
+def smem_bytes(ctx: Context, epi_stages: int, in_stages: int, ab_stages: int) -> int:
     """Bytes of the kernel's SharedStorage (see the template): barriers, padded to the 1024-byte
-    alignment of the A/B stages, then the A/B stages, the epilogue rings (1024-aligned) and the
-    per-tile vectors and column-reduction scratch (16-byte aligned); the whole struct is padded
-    to its 1024-byte alignment.  A test compares this with the compiled struct's size."""
+    alignment of the A/B stages, then the A/B stages, the epilogue rings (1024-aligned; outputs
+    of epi_stages subtiles, inputs of in_stages) and the per-tile vectors and column-reduction
+    scratch (16-byte aligned); the whole struct is padded to its 1024-byte alignment.  A test
+    compares this with the compiled struct's size."""
     tile_m, tile_n = ctx.config.tile
     ab = ab_stages * (tile_m + tile_n) * 64 * 2
-    rings = sum(-(-epi_stages * tile_m * t["cols"] * DTYPE_BYTES[t["dtype"]] // 1024) * 1024
-                for t in ctx.tile_outputs + ctx.tile_inputs)
+    rings = sum(-(-stages * tile_m * t["cols"] * DTYPE_BYTES[t["dtype"]] // 1024) * 1024
+                for tiles, stages in ((ctx.tile_outputs, epi_stages), (ctx.tile_inputs, in_stages)) for t in tiles)
     small = sum(-(-4 * n // 16) * 16 for n in [v["elems"] for v in ctx.vectors] + [ctx.col_scratch_elems])
     return -(-(1024 + ab + rings + small) // 1024) * 1024
 
 
-def _stages(ctx: Context, config: KernelConfig) -> tuple[int, int] | None:
-    """(EPI_STAGES, AB_STAGES) for this subtile width, or None when not even 2 + 2 fit."""
+def _stages(ctx: Context, config: KernelConfig, wanted: int) -> tuple[int, int, int] | None:
+    """(EPI_STAGES, IN_STAGES, AB_STAGES) for this subtile width: the deepest input ring (a
+    divisor of the subtile count), then 4 output stages over 2, that leave `wanted` mainloop
+    stages; failing that, 2 + 2 and whatever mainloop stages remain (at least 2).  Automatic
+    mainloop stages take what is left, up to 8; config.ab_stages is taken exactly."""
     subtiles = config.tile[1] // ctx.epi_n
     budget = SMEM_BYTES[config.arch]
     ab_bytes = (config.tile[0] + config.tile[1]) * 64 * 2
-    for epi_stages in (4, 2):
-        if subtiles % epi_stages:
-            continue
-        ab_stages = min((budget - smem_bytes(ctx, epi_stages, 0)) // ab_bytes, 8)
-        if ab_stages >= AB_STAGES_WANTED or (epi_stages == 2 and ab_stages >= 2):
-            return epi_stages, ab_stages
-    return None
+    in_choices = [d for d in range(subtiles, 1, -1) if subtiles % d == 0] if ctx.tile_inputs else [2]
+    fallback = None
+    for in_stages in in_choices:
+        for epi_stages in (4, 2):
+            if subtiles % epi_stages:
+                continue
+            room = min((budget - smem_bytes(ctx, epi_stages, in_stages, 0)) // ab_bytes, 8)
+            ab_stages = min(room, config.ab_stages) if config.ab_stages else room
+            if ab_stages >= wanted:
+                return epi_stages, in_stages, ab_stages
+            if (epi_stages, in_stages) == (2, 2) and ab_stages >= 2:
+                fallback = (2, 2, ab_stages)
+    return fallback
 
 
 # ----------------------------------------------------------------------------- the per-pair body

@@ -9,8 +9,9 @@ rewritten as two GEMMs whose epilogues do everything else (CODA):
 forward
   1. rstd = rsqrt(sumsq / d + eps) per row, from the `sumsq` the previous block's
      residual GEMM produced (for the first block: one small torch reduction over h);
-  2. W_f = W_gate_up * gamma (gamma folded along K; refolded every call, so it trains);
-  3. `rms_swiglu_save`: z = rstd * (h @ W_f.T), a = silu(gate) * up; z is saved;
+  2. gamma scales K, so it is folded into the smaller GEMM operand: W_gate_up * gamma, or
+     h * gamma when there are fewer tokens than 2 * ffn (refolded every call, so it trains);
+  3. `rms_swiglu_save`: z = rstd * ((h * gamma) @ W_gate_up.T), a = silu(gate) * up; z is saved;
   4. `residual_sumsq`: h_out = h + a @ W_down.T, plus sum(h_out^2) per row for the next norm.
 backward (dh_out)
   5. `swiglu_bwd_recompute`: dz = SwiGLU'(z) * (dh_out @ W_down), and a recomputed (not saved);
@@ -90,8 +91,7 @@ class _LlamaMLPFunction(torch.autograd.Function):
         ops = _OPS
         h2 = h.reshape(-1, h.shape[-1])
         rstd = _rstd(h2, sumsq, eps)
-        w_folded = _fold_gamma(w_gate_up, gamma)
-        a, z = ops["rms_swiglu_save"](h2, w_folded, rstd)
+        a, z = ops["rms_swiglu_save"](*_fold_gamma(h2, w_gate_up, gamma), rstd)
         h_out, sumsq_out = ops["residual_sumsq"](a, w_down, h2)
         ctx.save_for_backward(h2, rstd, z, gamma, w_gate_up, w_down)
         ctx.shape = h.shape
@@ -124,17 +124,21 @@ def _rmsnorm_backward(ops, d_pre, w, h, rstd, gamma, dh_residual):
     return dh, dgamma.to(gamma.dtype), dw
 
 
-def _fold_gamma(w: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
-    """W * gamma along K: the norm's gain moves into the next weight (redone every call, so it trains).
+def _fold_gamma(h: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMM operands of (h * gamma) @ w.T: gamma scales the reduction dimension K, so it can
+    be folded into either operand; it goes into the smaller one (the weight W * gamma, or the
+    activations h * gamma when there are fewer tokens than output features), redone every call
+    so that gamma trains.  One elementwise kernel when gamma has the operand's dtype (16-bit
+    products are computed in fp32 and rounded once either way)."""
+    def scaled(t):
+        return t * gamma if gamma.dtype == t.dtype else (t.float() * gamma.float()).to(t.dtype)
 
-    One elementwise kernel when gamma has the weight's dtype (16-bit products are computed in
-    fp32 and rounded once either way)."""
-    return w * gamma if gamma.dtype == w.dtype else (w.float() * gamma.float()).to(w.dtype)
+    return (scaled(h), w) if h.shape[0] < w.shape[0] else (h, scaled(w))
 
 
 def _rstd(h2: torch.Tensor, sumsq, eps: float) -> torch.Tensor:
-    if sumsq is None:  # the first block: no GEMM produced the statistics
-        sumsq = h2.float().square().sum(-1)
+    if sumsq is None:  # the first block: no GEMM produced the statistics (one fp32 reduction over h)
+        sumsq = torch.linalg.vector_norm(h2, dim=-1, dtype=torch.float32).square()
     return torch.rsqrt(sumsq.reshape(-1) / h2.shape[-1] + eps)
 
 
@@ -220,8 +224,7 @@ class _NormQKVRope(torch.autograd.Function):
     def forward(ctx, h, sumsq, gamma, w_qkv, cos, sin, rotary_cols, eps):
         h2 = h.reshape(-1, h.shape[-1])
         rstd = _rstd(h2, sumsq, eps)
-        w_folded = _fold_gamma(w_qkv, gamma)
-        qkv = _rope_op(rotary_cols)(h2, w_folded, rstd, cos, sin)
+        qkv = _rope_op(rotary_cols)(*_fold_gamma(h2, w_qkv, gamma), rstd, cos, sin)
         ctx.save_for_backward(h2, rstd, gamma, w_qkv, cos, sin)
         ctx.rotary_cols, ctx.shape = rotary_cols, h.shape
         return qkv, h.view(h.shape)

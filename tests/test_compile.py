@@ -28,6 +28,7 @@ CONFIGS = {
     "cluster2x1": KernelConfig(tile=(128, 256), cluster=(2, 1)),
     "single_cta": KernelConfig(tile=(128, 128), cluster=(1, 1)),
     "pingpong128": KernelConfig(tile=(128, 128), cluster=(1, 2), schedule="pingpong"),  # two MMA blocks per warpgroup
+    "ab3": KernelConfig(ab_stages=3),  # room for input rings up to a whole tile deep
 }
 
 

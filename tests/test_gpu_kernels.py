@@ -95,10 +95,10 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, 
 
 
 def run_and_compare(program: Program, m: int, n: int, k: int, dtype=torch.bfloat16, majors="kk",
-                    tile=None, cluster=None, schedule=None, seed=0):
+                    tile=None, cluster=None, schedule=None, seed=0, ab_stages=0):
     gen = torch.Generator().manual_seed(seed * 7919 + m * 31 + n * 17 + k)
     a, b, operands = make_inputs(program, m, n, k, dtype, gen, majors)
-    kernel = Kernel(program, tile=tile, cluster=cluster, schedule=schedule)
+    kernel = Kernel(program, tile=tile, cluster=cluster, schedule=schedule, ab_stages=ab_stages)
     views, buffers = poisoned_outputs(program, m, n, dtype)
     result = kernel(a, b, out=views, return_partials=True, **operands)
     torch.cuda.synchronize()
@@ -176,6 +176,14 @@ def test_library_program_pingpong(name):
 def test_library_program_pingpong_two_mma_blocks(name):
     """Ping-pong with 128-row tiles: each warpgroup holds two 64-row MMA blocks per thread."""
     run_and_compare(_sized(name, 1040), 700, 1040, 136, tile=(128, 128), cluster=(1, 2), schedule="pingpong")
+
+
+@pytest.mark.parametrize("tile,cluster,schedule", [((128, 256), (2, 1), "cooperative"),
+                                                   ((64, 256), (1, 2), "pingpong")])
+@pytest.mark.parametrize("name", [n for n in _gpu_programs() if any(op.kind == "tile" for op in library.get(n).operands)])
+def test_library_program_deep_input_rings(name, tile, cluster, schedule):
+    """3 mainloop stages leave room for input rings several subtiles (up to a whole tile) deep."""
+    run_and_compare(_sized(name, 1040), 700, 1040, 136, tile=tile, cluster=cluster, schedule=schedule, ab_stages=3)
 
 
 def test_fp16_inputs():
