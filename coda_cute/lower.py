@@ -158,11 +158,6 @@ def _check_supported(program: Program, config: KernelConfig) -> None:
                     f"{node.describe()}: a segment reduction runs over the whole tile before the subtiles stream "
                     f"through smem, so it cannot read {inner.describe()} (a tile operand or another segment reduction)"
                 )
-    for out in program.tile_outputs:
-        dtype = _storage(out.dtype, config)
-        cols = int(EPI_N_CHOICES[0] * out.node.width)
-        if cols * DTYPE_BYTES[dtype] < 16:
-            raise UnsupportedError(f"output {out.name!r}: a {cols}-column subtile of {dtype} is under TMA's 16 bytes")
 
 
 def _subgraph(root: Node) -> list[Node]:
@@ -284,13 +279,14 @@ def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, in
     columns when that buys mainloop stages.  A ping-pong warpgroup
     computing 128 rows holds two MMA blocks per thread, so its per-subtile registers double: it
     prefers 16 columns."""
-    best, best_rank = None, None
+    best, best_rank, narrow = None, None, None
     wanted = config.ab_stages or AB_STAGES_WANTED
     choices = EPI_N_CHOICES[::-1] if _mma_blocks(config) > 1 else EPI_N_CHOICES
     for preference, epi_n in enumerate(choices):
         ctx = Context(program=program, config=config, cfg={}, class_name=_class_name(program.name), epi_n=epi_n)
         _declare_tensors(ctx, program, config)
-        if any(t["cols"] * DTYPE_BYTES[t["dtype"]] < 16 for t in ctx.tile_outputs + ctx.tile_inputs):
+        narrow = next((t for t in ctx.tile_outputs + ctx.tile_inputs if t["cols"] * DTYPE_BYTES[t["dtype"]] < 16), None)
+        if narrow is not None:
             continue  # a subtile row under TMA's 16 bytes
         stages = _stages(ctx, config, wanted)
         if stages is None:
@@ -300,6 +296,8 @@ def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, in
         rank = (min(stages[2], wanted), -preference)
         if best is None or rank > best_rank:
             best, best_rank = (ctx, *stages), rank
+    if best is None and narrow is not None:
+        raise UnsupportedError(f"{narrow['label']}: a {narrow['cols']}-column subtile row is under TMA's 16 bytes")
     if best is None:
         raise UnsupportedError(
             f"program {program.name!r} with tile {config.tile[0]}x{config.tile[1]} needs more shared memory than "
