@@ -284,6 +284,7 @@ def _config(program: Program, args) -> KernelConfig:
         tile=parse_tile(args.tile), cluster=parse_cluster(args.cluster), schedule=args.schedule,
         operand_dtypes=parse_operand_dtypes(program, args.operand_dtype),
         table_periods=parse_table_periods(program, getattr(args, "table_period", None)),
+        ab_stages=getattr(args, "ab_stages", None) or 0,
     ).check()
 
 
@@ -494,6 +495,10 @@ def _add_config_flags(parser: argparse.ArgumentParser, several: bool = False) ->
                             "repeat for several operands")
     group.add_argument("--table-period", action="append", metavar="NAME=P",
                        help="column count P of a Table operand, baked into the kernel (default: read at run time)")
+    if not several:
+        group.add_argument("--ab-stages", type=int, default=0, metavar="S",
+                           help="mainloop stages, 2..8; fewer leave shared memory for deeper epilogue input rings "
+                                "(default 0: planned, at least 4 where they fit)")
 
 
 def build_parser() -> argparse.ArgumentParser:

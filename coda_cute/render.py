@@ -39,6 +39,7 @@ def emit_command(program: Program, config: KernelConfig) -> str:
              f"--cluster {config.cluster[0]}x{config.cluster[1]} --schedule {config.schedule}"]
     parts += [f"--operand-dtype {name}={dtype}" for name, dtype in config.operand_dtypes if dtype != config.dtype]
     parts += [f"--table-period {name}={period}" for name, period in config.table_periods]
+    parts += [f"--ab-stages {config.ab_stages}"] if config.ab_stages else []
     return " ".join(parts)
 
 

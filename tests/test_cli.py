@@ -79,6 +79,7 @@ def test_show_prints_the_program_listing(capsys):
     ("gemm", []),
     ("swiglu", ["--gpu", "H100", "--dtype", "f16", "--majors", "mn", "--tile", "128x128", "--cluster", "1x2"]),
     ("residual_sumsq", ["--tile", "64x256", "--cluster", "1x1", "--operand-dtype", "residual=f32"]),
+    ("residual_sumsq", ["--ab-stages", "3"]),  # the residual ring then holds the whole tile
     ("rms_scale_gamma", ["--tile", "64x256", "--schedule", "pingpong", "--operand-dtype", "rstd=f32",
                          "--operand-dtype", "gamma=bf16"]),
 ])
