@@ -159,7 +159,9 @@ def main():
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--compile-modes", nargs="*", default=["default"])
     parser.add_argument("--out", default="bench.json")
-    parser.add_argument("--variants", action="store_true", help="also time other tile/cluster/schedule choices")
+    parser.add_argument("--variants", nargs="*", metavar="LABEL",
+                        help="also time other tile/cluster/schedule/stage choices (those whose label contains one "
+                             "of the given strings; none given: all)")
     parser.add_argument("--ops", nargs="*", help="only the ops whose name contains one of these strings")
     parser.add_argument("--quack", action="store_true", help="also time quack's kernel for the ops it has (untuned)")
     args = parser.parse_args()
@@ -192,7 +194,9 @@ def main():
                         contenders["quack (untuned)"] = quack_fn
                 except Exception as exc:
                     print(f"{name}: quack not timed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            for label, variant in _variants(program) if args.variants else ():
+            for label, variant in _variants(program) if args.variants is not None else ():
+                if args.variants and not any(v in label for v in args.variants):
+                    continue
                 contenders[f"coda-cute {label}"] = lambda k=variant: k(a, b, **operands)
             for mode in args.compile_modes:
                 compiled = torch.compile(fn, dynamic=False, mode=None if mode == "default" else mode)
