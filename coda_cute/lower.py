@@ -124,7 +124,7 @@ def lower(program: Program, config: KernelConfig) -> Context:
         ab_stages=ab_stages, epi_n=ctx.epi_n, epi_stages=stages, in_stages=in_stages,
         smem_budget=SMEM_BYTES[config.arch], smem_planned=smem_bytes(ctx, stages, in_stages, ab_stages),
         raster_along_m=config.raster_along_m, swizzle=config.swizzle,
-        producer_regs=48, consumer_regs=232, pingpong=config.schedule == "pingpong",
+        producer_regs=40, consumer_regs=232, pingpong=config.schedule == "pingpong",
     )
     _Body(ctx, program, config).emit_all()
     names = ["a (M, K)", "b (N, K)"] + [p["doc"] for p in ctx.host_params] + ["stream"]
@@ -274,7 +274,7 @@ def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, in
     the epilogue rings share the same memory: output rings of EPI_STAGES subtiles, input rings
     of IN_STAGES subtiles.  Inputs are loaded by their own warp, which runs ahead into the next
     tile while the mainloop computes; the deeper their ring, the less the epilogue waits on
-    memory, so inputs get the deepest ring that fits beside the mainloop stages.  Subtiles of 32
+    memory (see _stages for who gets how much).  Subtiles of 32
     accumulator columns are preferred; programs with wide rings (2N outputs or inputs) take 16
     columns when that buys mainloop stages.  A ping-pong warpgroup
     computing 128 rows holds two MMA blocks per thread, so its per-subtile registers double: it
@@ -321,26 +321,28 @@ def smem_bytes(ctx: Context, epi_stages: int, in_stages: int, ab_stages: int) ->
 
 
 def _stages(ctx: Context, config: KernelConfig, wanted: int) -> tuple[int, int, int] | None:
-    """(EPI_STAGES, IN_STAGES, AB_STAGES) for this subtile width: the deepest input ring (a
-    divisor of the subtile count), then 4 output stages over 2, that leave `wanted` mainloop
-    stages; failing that, 2 + 2 and whatever mainloop stages remain (at least 2).  Automatic
-    mainloop stages take what is left, up to 8; config.ab_stages is taken exactly."""
+    """(EPI_STAGES, IN_STAGES, AB_STAGES) for this subtile width, or None when not even 2 + 2 fit.
+
+    Automatic (config.ab_stages 0): input rings as deep as the output rings, 4 over 2, with at
+    least `wanted` mainloop stages (else 2 and whatever remains, at least 2), then as many
+    mainloop stages as the rest holds, up to 8: the plan measured on the H200.  With
+    config.ab_stages given, exactly that many mainloop stages, and the input rings take the
+    deepest ring (a divisor of the subtile count) that fits beside them."""
     subtiles = config.tile[1] // ctx.epi_n
     budget = SMEM_BYTES[config.arch]
     ab_bytes = (config.tile[0] + config.tile[1]) * 64 * 2
-    in_choices = [d for d in range(subtiles, 1, -1) if subtiles % d == 0] if ctx.tile_inputs else [2]
-    fallback = None
-    for in_stages in in_choices:
-        for epi_stages in (4, 2):
-            if subtiles % epi_stages:
-                continue
-            room = min((budget - smem_bytes(ctx, epi_stages, in_stages, 0)) // ab_bytes, 8)
-            ab_stages = min(room, config.ab_stages) if config.ab_stages else room
-            if ab_stages >= wanted:
-                return epi_stages, in_stages, ab_stages
-            if (epi_stages, in_stages) == (2, 2) and ab_stages >= 2:
-                fallback = (2, 2, ab_stages)
-    return fallback
+    if config.ab_stages and ctx.tile_inputs:
+        pairs = [(epi, deep) for deep in range(subtiles, 1, -1) if subtiles % deep == 0 for epi in (4, 2)]
+    else:
+        pairs = [(4, 4), (2, 2)]
+    for epi_stages, in_stages in pairs:
+        if subtiles % epi_stages:
+            continue
+        room = min((budget - smem_bytes(ctx, epi_stages, in_stages, 0)) // ab_bytes, 8)
+        ab_stages = min(room, config.ab_stages) if config.ab_stages else room
+        if ab_stages >= wanted or ((epi_stages, in_stages) == (2, 2) and ab_stages >= 2):
+            return epi_stages, in_stages, ab_stages
+    return None
 
 
 # ----------------------------------------------------------------------------- the per-pair body

@@ -68,6 +68,21 @@ def test_persistent_grid_is_bounded_by_the_sm_count(tmp_path):
             assert "get_grid_shape(scheduler_params, MAX_ACTIVE_CLUSTERS)" in emit(library.get("gemm"), config)
 
 
+@pytest.mark.parametrize("config", [KernelConfig(), KernelConfig(tile=(64, 256), cluster=(1, 1)),
+                                    KernelConfig(tile=(64, 256), cluster=(1, 2), schedule="pingpong")],
+                         ids=["cooperative-2wg", "cooperative-1wg", "pingpong"])
+def test_register_reallocation_fits_the_launch_pool(config, tmp_path):
+    """setmaxnreg.inc waits until the CTA's register pool (the launch count x threads) has the
+    registers: consumers asking for more than the producer gave back hang the kernel (a
+    producer at 48 instead of 40 registers did, on the H200)."""
+    compiled = compile_program(library.get("gemm"), config, source_dir=tmp_path / "src", report=True)
+    kernel = compiled.module
+    pool = compiled.registers * kernel.NUM_THREADS
+    wanted = 128 * kernel.PRODUCER_REGS + 128 * kernel.CONSUMER_WARPGROUPS * kernel.CONSUMER_REGS
+    assert wanted <= pool, f"{wanted} registers asked for after reallocation, {pool} in the CTA's pool"
+    assert kernel.PRODUCER_REGS % 8 == 0 and kernel.CONSUMER_REGS % 8 == 0 and kernel.CONSUMER_REGS <= 256
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_composition_compiles_without_spills(seed, tmp_path):
     import sys
