@@ -29,7 +29,12 @@ case $step in
     wait
     tail -n 3 "$out"/tests*.log ;;
   runtime)
-    python benchmarks/bench_runtime.py --out "$out/runtime.json" ;;
+    # from a copy on the machine's local disk, with bytecode: the device's copy of the working
+    # tree showed 100+ ms stalls importing single small modules (warm load is an import race)
+    unset PYTHONDONTWRITEBYTECODE
+    out=$(cd "$out" && pwd)
+    rm -rf /tmp/coda-cute-runtime && cp -r . /tmp/coda-cute-runtime && cd /tmp/coda-cute-runtime || exit 1
+    PYTHONPATH=$PWD:${PYTHONPATH#*:} python benchmarks/bench_runtime.py --out "$out/runtime.json" ;;
   ops)
     d=${1:-4096}
     shift || true
