@@ -5,6 +5,8 @@
 #   bash benchmarks/h200_run.sh runtime  # compile / warm-load / per-call costs
 #   bash benchmarks/h200_run.sh ops [D [MODE ...]]  # fused ops vs cuBLAS / eager / torch.compile
 #                                                 # (MODE: default, max-autotune-no-cudagraphs)
+#   bash benchmarks/h200_run.sh variants [LABEL ...]  # d = 4096 ops with other tile/schedule/stage
+#                                                    # choices (those whose label contains LABEL)
 #   bash benchmarks/h200_run.sh block [D ...]  # Llama MLP and block, forward + backward
 #
 # Results and logs go to $OUT (the device tool's output folder) or ./h200-out. With the
@@ -12,7 +14,7 @@
 # there). Each step fits the device tool's 10-minute limit at one d (max-autotune compiles
 # for minutes per op: run it on its own).
 set -u
-step=${1:?tests, runtime, ops or block}
+step=${1:?tests, runtime, ops, variants or block}
 shift
 out=${OUT:-h200-out}
 mkdir -p "$out"
@@ -39,9 +41,11 @@ case $step in
     d=${1:-4096}
     shift || true
     python benchmarks/bench_sm90.py --d "$d" --compile-modes "${@:-default}" --out "$out/ops-d$d.json" ;;
+  variants)
+    python benchmarks/bench_sm90.py --d 4096 --variants "$@" --out "$out/variants-d4096.json" ;;
   block)
     python benchmarks/bench_block.py --d "${@:-4096}" --out "$out/block.json" ;;
   *)
-    echo "unknown step $step: tests, runtime, ops or block" >&2
+    echo "unknown step $step: tests, runtime, ops, variants or block" >&2
     exit 2 ;;
 esac
