@@ -190,3 +190,28 @@ def test_linear_cross_entropy_compiles_with_fullgraph(gen):
     compiled = torch.compile(linear_cross_entropy, fullgraph=True)
     torch.testing.assert_close(compiled(h, w, target), torch.nn.functional.cross_entropy(h @ w.t(), target),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [6, 40])  # fewer tokens than weight rows: gamma goes into h
+def test_gamma_is_folded_into_the_smaller_operand(tokens, gen):
+    from coda_cute.nn import _fold_gamma
+
+    h = torch.randn(tokens, 16, generator=gen, dtype=torch.float64)
+    w = torch.randn(24, 16, generator=gen, dtype=torch.float64)
+    gamma = torch.rand(16, generator=gen, dtype=torch.float64) + 0.5
+    a, b = _fold_gamma(h, w, gamma)
+    assert (a is h) == (tokens >= 24) and (b is w) == (tokens < 24), "gamma must scale exactly one operand"
+    torch.testing.assert_close(a @ b.t(), (h * gamma) @ w.t())
+
+
+def test_rope_inverse_undoes_the_rotation_of_interleaved_pairs(gen):
+    from coda_cute.nn import _rope_inverse
+
+    angles = torch.rand(5, 4, generator=gen, dtype=torch.float64) * 6
+    y = torch.randn(10, 12, generator=gen, dtype=torch.float64)
+    turned = torch.view_as_real(torch.view_as_complex(y[:, :8].reshape(10, 4, 2).contiguous())
+                                * torch.polar(torch.ones_like(angles), angles).repeat(2, 1)).reshape(10, 8)
+    back = _rope_inverse(torch.cat([turned, y[:, 8:]], 1), angles.cos(), angles.sin(), 8)  # 2 sequences of 5
+    torch.testing.assert_close(back, y)
+    ragged = _rope_inverse(torch.cat([turned, y[:, 8:]], 1)[:7], angles.cos(), angles.sin(), 8)  # gathered tables
+    torch.testing.assert_close(ragged, y[:7])
