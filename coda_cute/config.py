@@ -37,8 +37,9 @@ class KernelConfig:
     schedule: str = "cooperative"
     raster_along_m: bool = True
     swizzle: int = 1
-    #: mainloop (A/B) stages; 0 = as many as the shared memory left by the epilogue holds, at
-    #: least AB_STAGES_WANTED (lower.py); fewer leave room for deeper epilogue input rings
+    #: mainloop (A/B) stages; 0 = planned: as many as the shared memory left by the epilogue
+    #: holds, aiming for AB_STAGES_WANTED (lower.py); fewer leave room for deeper epilogue input
+    #: rings; a count that does not fit is an error
     ab_stages: int = 0
     operand_dtypes: tuple[tuple[str, str], ...] = field(default=())
     #: Table operands' column periods P, baked in so `col % P` is cheap (unknown: P stays dynamic)

@@ -274,19 +274,19 @@ def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, in
     the epilogue rings share the same memory: output rings of EPI_STAGES subtiles, input rings
     of IN_STAGES subtiles.  Inputs are loaded by their own warp, which runs ahead into the next
     tile while the mainloop computes; the deeper their ring, the less the epilogue waits on
-    memory (see _stages for who gets how much).  Subtiles of 32
-    accumulator columns are preferred; programs with wide rings (2N outputs or inputs) take 16
-    columns when that buys mainloop stages.  A ping-pong warpgroup
-    computing 128 rows holds two MMA blocks per thread, so its per-subtile registers double: it
-    prefers 16 columns."""
-    best, best_rank, narrow = None, None, None
+    memory (see _stages for who gets how much).  Subtiles of 32 accumulator columns are
+    preferred; programs with wide rings (2N outputs or inputs) take 16 columns when that buys
+    mainloop stages.  A ping-pong warpgroup computing 128 rows holds two MMA blocks per thread,
+    so its per-subtile registers double: it prefers 16 columns."""
+    best, best_rank, narrow = None, None, []
     wanted = config.ab_stages or AB_STAGES_WANTED
     choices = EPI_N_CHOICES[::-1] if _mma_blocks(config) > 1 else EPI_N_CHOICES
     for preference, epi_n in enumerate(choices):
         ctx = Context(program=program, config=config, cfg={}, class_name=_class_name(program.name), epi_n=epi_n)
         _declare_tensors(ctx, program, config)
-        narrow = next((t for t in ctx.tile_outputs + ctx.tile_inputs if t["cols"] * DTYPE_BYTES[t["dtype"]] < 16), None)
-        if narrow is not None:
+        too_narrow = [t for t in ctx.tile_outputs + ctx.tile_inputs if t["cols"] * DTYPE_BYTES[t["dtype"]] < 16]
+        if too_narrow:
+            narrow.append(too_narrow[0])
             continue  # a subtile row under TMA's 16 bytes
         stages = _stages(ctx, config, wanted)
         if stages is None:
@@ -296,8 +296,14 @@ def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, in
         rank = (min(stages[2], wanted), -preference)
         if best is None or rank > best_rank:
             best, best_rank = (ctx, *stages), rank
-    if best is None and narrow is not None:
-        raise UnsupportedError(f"{narrow['label']}: a {narrow['cols']}-column subtile row is under TMA's 16 bytes")
+    if best is None and len(narrow) == len(choices):  # no subtile width TMA can move
+        raise UnsupportedError(f"{narrow[-1]['label']}: a {narrow[-1]['cols']}-column subtile row is under TMA's 16 bytes")
+    if best is None and config.ab_stages:
+        raise UnsupportedError(
+            f"program {program.name!r} with tile {config.tile[0]}x{config.tile[1]}: {config.ab_stages} mainloop stages "
+            f"do not fit beside its epilogue rings in {config.arch}'s shared memory; choose fewer stages (ab_stages) "
+            "or a smaller tile"
+        )
     if best is None:
         raise UnsupportedError(
             f"program {program.name!r} with tile {config.tile[0]}x{config.tile[1]} needs more shared memory than "
@@ -326,8 +332,8 @@ def _stages(ctx: Context, config: KernelConfig, wanted: int) -> tuple[int, int, 
     Automatic (config.ab_stages 0): input rings as deep as the output rings, 4 over 2, with at
     least `wanted` mainloop stages (else 2 and whatever remains, at least 2), then as many
     mainloop stages as the rest holds, up to 8: the plan measured on the H200.  With
-    config.ab_stages given, exactly that many mainloop stages, and the input rings take the
-    deepest ring (a divisor of the subtile count) that fits beside them."""
+    config.ab_stages given, exactly that many mainloop stages (None when they do not fit), and
+    the input rings take the deepest ring (a divisor of the subtile count) that fits beside them."""
     subtiles = config.tile[1] // ctx.epi_n
     budget = SMEM_BYTES[config.arch]
     ab_bytes = (config.tile[0] + config.tile[1]) * 64 * 2
@@ -340,7 +346,8 @@ def _stages(ctx: Context, config: KernelConfig, wanted: int) -> tuple[int, int, 
             continue
         room = min((budget - smem_bytes(ctx, epi_stages, in_stages, 0)) // ab_bytes, 8)
         ab_stages = min(room, config.ab_stages) if config.ab_stages else room
-        if ab_stages >= wanted or ((epi_stages, in_stages) == (2, 2) and ab_stages >= 2):
+        fallback = not config.ab_stages and (epi_stages, in_stages) == (2, 2) and ab_stages >= 2
+        if ab_stages >= wanted or fallback:
             return epi_stages, in_stages, ab_stages
     return None
 

@@ -83,6 +83,12 @@ def test_register_reallocation_fits_the_launch_pool(config, tmp_path):
     assert kernel.PRODUCER_REGS % 8 == 0 and kernel.CONSUMER_REGS % 8 == 0 and kernel.CONSUMER_REGS <= 256
 
 
+def test_explicit_mainloop_stages_are_taken_exactly_or_refused():
+    assert lower(library.get("residual_sumsq"), KernelConfig(ab_stages=3)).cfg["ab_stages"] == 3
+    with pytest.raises(UnsupportedError, match="8 mainloop stages do not fit"):
+        lower(library.get("gemm"), KernelConfig(ab_stages=8))  # 8 x 48 KB of A/B stages
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_composition_compiles_without_spills(seed, tmp_path):
     import sys
