@@ -107,7 +107,8 @@ def _variants(program):
                                                                        ab_stages=3)))
     for tile, cluster, schedule in (((128, 256), (1, 2), "cooperative"), ((64, 256), (2, 1), "pingpong"),
                                     ((64, 256), (1, 2), "pingpong"), ((128, 128), (2, 1), "cooperative"),
-                                    ((128, 128), (1, 2), "pingpong"), ((128, 128), (2, 1), "pingpong")):
+                                    ((128, 128), (1, 2), "pingpong"), ((128, 128), (2, 1), "pingpong"),
+                                    ((128, 192), (1, 2), "pingpong"), ((128, 192), (2, 1), "pingpong")):
         label = f"{tile[0]}x{tile[1]} c{cluster[0]}x{cluster[1]} {schedule}"
         out.append((label, cc.Kernel(program, tile=tile, cluster=cluster, schedule=schedule)))
     return out

@@ -17,7 +17,7 @@ from .errors import UnsupportedError
 GPUS = {"H100": 132, "H200": 132, "H800": 132, "H100-PCIe": 114, "H20": 78}
 ARCHS = ("sm_90a",)
 INPUT_DTYPES = ("bf16", "f16")
-TILE_SHAPES = ((128, 256), (128, 128), (128, 64), (64, 256), (64, 128))
+TILE_SHAPES = ((128, 256), (128, 192), (128, 128), (128, 64), (64, 256), (64, 128))
 CLUSTER_SHAPES = ((1, 1), (2, 1), (1, 2))
 SCHEDULES = ("cooperative", "pingpong")
 SMEM_BYTES = {"sm_90a": 232448}  # dynamic shared memory per CTA on Hopper (227 KB)
@@ -63,7 +63,7 @@ class KernelConfig:
             raise UnsupportedError(f"cluster {self.cluster} is not supported; choose one of {CLUSTER_SHAPES}")
         if self.schedule not in SCHEDULES:
             raise UnsupportedError(f"schedule {self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
-        if self.schedule == "pingpong" and self.tile[0] * self.tile[1] > 128 * 128:
+        if self.schedule == "pingpong" and self.tile[0] * self.tile[1] > 128 * 192:
             raise UnsupportedError(
                 f"tile {self.tile}: ping-pong gives each warpgroup a whole tile, whose fp32 accumulator must fit "
                 "128 registers per thread (64x128, 64x256, 128x64, 128x128)"

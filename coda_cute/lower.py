@@ -124,12 +124,23 @@ def lower(program: Program, config: KernelConfig) -> Context:
         ab_stages=ab_stages, epi_n=ctx.epi_n, epi_stages=stages, in_stages=in_stages,
         smem_budget=SMEM_BYTES[config.arch], smem_planned=smem_bytes(ctx, stages, in_stages, ab_stages),
         raster_along_m=config.raster_along_m, swizzle=config.swizzle,
-        producer_regs=40, consumer_regs=232, pingpong=config.schedule == "pingpong",
+        pingpong=config.schedule == "pingpong", **_register_split(config),
     )
     _Body(ctx, program, config).emit_all()
     names = ["a (M, K)", "b (N, K)"] + [p["doc"] for p in ctx.host_params] + ["stream"]
     ctx.call_signature = ", ".join(names)
     return ctx
+
+
+def _register_split(config: KernelConfig) -> dict:
+    """Registers per thread of the producer and of each consumer warpgroup after setmaxnreg.
+    Their sum over the CTA must stay within its launch pool (168 x 384 threads = 64512): a
+    consumer asking for more than the producer gave back waits forever.  Ping-pong gives each
+    consumer a whole tile (up to 192 fp32 accumulators per thread): the producer, which only
+    issues TMA copies, goes down to 24 so that each consumer can have 240."""
+    if config.schedule == "pingpong":
+        return dict(producer_regs=24, consumer_regs=240)
+    return dict(producer_regs=40, consumer_regs=232)
 
 
 # ----------------------------------------------------------------------------- checks

@@ -159,7 +159,8 @@ def test_majors(majors):
     ((128, 256), (2, 1), "cooperative"), ((128, 128), (1, 2), "cooperative"), ((64, 256), (1, 1), "cooperative"),
     ((128, 64), (2, 1), "cooperative"), ((64, 128), (1, 1), "cooperative"),
     ((64, 256), (2, 1), "pingpong"), ((64, 128), (1, 2), "pingpong"), ((64, 256), (1, 1), "pingpong"),
-    ((128, 128), (1, 2), "pingpong"), ((128, 64), (2, 1), "pingpong"),
+    ((128, 128), (1, 2), "pingpong"), ((128, 64), (2, 1), "pingpong"), ((128, 192), (1, 2), "pingpong"),
+    ((128, 192), (2, 1), "cooperative"),
 ])
 def test_tiles(tile, cluster, schedule):
     run_and_compare(library.get("residual_sumsq"), 777, 1040, 264, tile=tile, cluster=cluster, schedule=schedule)
@@ -176,6 +177,12 @@ def test_library_program_pingpong(name):
 def test_library_program_pingpong_two_mma_blocks(name):
     """Ping-pong with 128-row tiles: each warpgroup holds two 64-row MMA blocks per thread."""
     run_and_compare(_sized(name, 1040), 700, 1040, 136, tile=(128, 128), cluster=(1, 2), schedule="pingpong")
+
+
+@pytest.mark.parametrize("name", _gpu_programs())
+def test_library_program_pingpong_128x192(name):
+    """Ping-pong with 128x192 tiles: 192 accumulators per thread, N not a multiple of the tile."""
+    run_and_compare(_sized(name, 1040), 700, 1040, 136, tile=(128, 192), cluster=(1, 2), schedule="pingpong")
 
 
 @pytest.mark.parametrize("tile,cluster,schedule", [((128, 256), (2, 1), "cooperative"),

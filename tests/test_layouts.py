@@ -27,6 +27,7 @@ CONFIGS = [
     ("gemm", KernelConfig(tile=(64, 256), schedule="pingpong", cluster=(2, 1))),
     ("gemm", KernelConfig(tile=(64, 128), schedule="pingpong")),
     ("gemm", KernelConfig(tile=(128, 128), schedule="pingpong", cluster=(1, 2))),  # two MMA blocks per warpgroup
+    ("gemm", KernelConfig(tile=(128, 192), schedule="pingpong", cluster=(1, 2))),  # 192 accumulators per thread
     ("rmsnorm_bwd", KernelConfig(tile=(128, 256), cluster=(1, 2))),  # 16-column subtiles
 ]
 THREADS = (0, 1, 2, 3, 4, 31, 32, 63, 77, 127, 128, 200, 255)
@@ -89,6 +90,8 @@ VIEW_CONFIGS = [
     ("swiglu_bwd_recompute", KernelConfig(tile=(128, 128))),
     ("swiglu_bwd", KernelConfig(tile=(128, 128), schedule="pingpong")),
     ("swiglu", KernelConfig(tile=(128, 128), schedule="pingpong")),
+    ("swiglu_bwd", KernelConfig(tile=(128, 192), schedule="pingpong", cluster=(1, 2))),
+    ("swiglu", KernelConfig(tile=(128, 192), schedule="pingpong")),
 ]
 
 
