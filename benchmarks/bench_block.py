@@ -14,7 +14,9 @@ Attention itself (SDPA) is the same in every contender.
 import argparse
 import json
 import os
+import shlex
 import statistics
+import sys
 import time
 
 import torch
@@ -136,8 +138,7 @@ def _profile(title, f):
 
 def _write(args, rows):
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "commit": os.environ.get("CODA_COMMIT", "unknown"), "command": "python benchmarks/bench_block.py " +
-            " ".join(f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items())}
+            "commit": os.environ.get("CODA_COMMIT", "unknown"), "command": "python " + " ".join(map(shlex.quote, sys.argv))}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

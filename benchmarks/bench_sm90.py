@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import platform
 import statistics
+import sys
 import subprocess
 import time
 
@@ -83,6 +85,8 @@ def ops_for(d: int, m: int):
                 lambda a, b, residual: _res_sumsq(a, b, residual)))
     ops.append(("gate/up GEMM + SwiGLU", library.get("swiglu"), x, w(2 * ffn, d), {},
                 lambda a, b: _swiglu(a @ b.t())))
+    ops.append(("gate/up GEMM + RMS + SwiGLU + save", library.get("rms_swiglu_save"), x, w(2 * ffn, d),
+                {"rstd": rstd}, lambda a, b, rstd: _rms_swiglu_save(a @ b.t(), rstd)))
     dy = torch.randn(m, d, device=dev, dtype=bf)
     preact = torch.randn(m, 2 * ffn, device=dev, dtype=bf)
     w_down = w(d, ffn)
@@ -139,6 +143,11 @@ def quack_contender(name, a, b, operands):
 def _res_sumsq(a, b, residual):
     hh = a @ b.t() + residual
     return {"D": hh, "sumsq": hh.float().pow(2).sum(-1)}
+
+
+def _rms_swiglu_save(y, rstd):
+    z = (y.float() * rstd[:, None]).to(y.dtype)
+    return {"D": _swiglu(z), "preact": z}
 
 
 def _swiglu(y):
@@ -220,9 +229,7 @@ def main():
 def _write(args, rows):
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cutlass_dsl": __import__("cutlass").__version__, "python": platform.python_version(),
-            "commit": _commit(), "command": "python benchmarks/bench_sm90.py " + " ".join(
-                f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                for k, v in vars(args).items() if v not in (None, False))}
+            "commit": _commit(), "command": "python " + " ".join(map(shlex.quote, sys.argv))}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
