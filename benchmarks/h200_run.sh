@@ -8,13 +8,14 @@
 #   bash benchmarks/h200_run.sh variants [LABEL ...]  # d = 4096 ops with other tile/schedule/stage
 #                                                    # choices (those whose label contains LABEL)
 #   bash benchmarks/h200_run.sh block [D ...]  # Llama MLP and block, forward + backward
+#   bash benchmarks/h200_run.sh sanitize  # compute-sanitizer memcheck + racecheck over the library
 #
 # Results and logs go to $OUT (the device tool's output folder) or ./h200-out. With the
 # carried CuTe DSL bundle, source .device/setup.sh first; set CODA_COMMIT (there is no git
 # there). Each step fits the device tool's 10-minute limit at one d (max-autotune compiles
 # for minutes per op: run it on its own).
 set -u
-step=${1:?tests, runtime, ops, variants or block}
+step=${1:?tests, runtime, ops, variants, block or sanitize}
 shift
 out=${OUT:-h200-out}
 mkdir -p "$out"
@@ -45,7 +46,13 @@ case $step in
     python benchmarks/bench_sm90.py --d 4096 --variants "$@" --out "$out/variants-d4096.json" ;;
   block)
     python benchmarks/bench_block.py --d "${@:-4096}" --out "$out/block.json" ;;
+  sanitize)
+    python tests/gpu_sanitize.py > "$out/sanitize-warm.log" 2>&1 || { tail -n 20 "$out/sanitize-warm.log"; exit 1; }
+    for tool in memcheck racecheck; do
+      compute-sanitizer --tool "$tool" python tests/gpu_sanitize.py > "$out/sanitize-$tool.log" 2>&1
+      echo "$tool: exit $?"; tail -n 3 "$out/sanitize-$tool.log"
+    done ;;
   *)
-    echo "unknown step $step: tests, runtime, ops, variants or block" >&2
+    echo "unknown step $step: tests, runtime, ops, variants, block or sanitize" >&2
     exit 2 ;;
 esac

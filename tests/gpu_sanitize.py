@@ -20,7 +20,7 @@ from coda_cute.runtime import Kernel  # noqa: E402
 # (schedule, tile, cluster, M, N): the last three have clusters that own tiles past M or N
 CONFIGS = [("cooperative", (128, 128), (1, 1), 200, 272), ("pingpong", (64, 128), (1, 1), 200, 272),
            ("cooperative", (128, 256), (1, 2), 200, 528), ("pingpong", (64, 256), (2, 1), 300, 272),
-           ("pingpong", (128, 128), (1, 2), 200, 528)]
+           ("pingpong", (128, 128), (1, 2), 200, 528), ("pingpong", (128, 192), (1, 2), 200, 528)]
 for schedule, tile, cluster, m, n in CONFIGS:
     for name in _gpu_programs():
         program = _sized(name, n)
