@@ -8,7 +8,8 @@ Contenders, interleaved in one process: coda-cute's LlamaMLP / LlamaBlock; the s
 plain PyTorch (eager) and under torch.compile (dynamic=False); cuBLAS GEMMs alone (the
 floor: the block's forward and backward GEMMs with nothing else).  Times include every
 kernel a step needs (gamma refold, statistics, finishing partials, elementwise passes).
-Attention itself (SDPA) is the same in every contender.
+Attention itself (SDPA) is the same in every contender.  Before timing, each case checks
+that coda-cute's output and input gradient match eager PyTorch's (relative norm < 2e-2).
 """
 
 import argparse
@@ -32,6 +33,26 @@ def _step(fn, h, grad):
     out = fn(h)
     out = out[0] if isinstance(out, tuple) else out
     out.backward(grad)
+    return out
+
+
+def _loss_step(fn, h):
+    loss = fn(h)
+    loss.backward()
+    return loss
+
+
+def _check(name, ours, reference, h):
+    """The fused step computes what the eager one does: output and input gradient, relative norm."""
+    results = []
+    for step in (ours, reference):
+        h.grad = None
+        out = step()
+        results.append((out.detach().float(), h.grad.float()))
+    h.grad = None
+    for what, got, want in zip(("output", "input gradient"), *results):
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 2e-2, f"{name}: coda-cute's {what} differs from eager PyTorch (relative error {err:.3g})"
 
 
 def main():
@@ -100,12 +121,13 @@ def main():
                 logits.t() @ x2  # noqa: B018
 
             cases["LM head + cross-entropy"] = {
-                "coda-cute": lambda: linear_cross_entropy(h, w_head, target).backward(),
-                "torch eager": lambda: head_eager(h).backward(),
-                "torch.compile": (lambda c=torch.compile(head_eager, dynamic=False): c(h).backward()),
+                "coda-cute": lambda: _loss_step(lambda x: linear_cross_entropy(x, w_head, target), h),
+                "torch eager": lambda: _loss_step(head_eager, h),
+                "torch.compile": (lambda c=torch.compile(head_eager, dynamic=False): _loss_step(c, h)),
                 "cuBLAS GEMMs alone": head_gemms,
             }
         for name, contenders in cases.items():
+            _check(name, contenders["coda-cute"], contenders["torch eager"], h)
             for f in contenders.values():
                 f()  # compile / warm up
             times = {k: [] for k in contenders}
