@@ -279,9 +279,11 @@ def parse_table_periods(program: Program, items) -> tuple[tuple[str, int], ...]:
 
 
 def _config(program: Program, args) -> KernelConfig:
+    tile, cluster, schedule = runtime_defaults(program)
     return KernelConfig(
         arch=args.arch, gpu=args.gpu, dtype=args.dtype, majors=args.majors,
-        tile=parse_tile(args.tile), cluster=parse_cluster(args.cluster), schedule=args.schedule,
+        tile=parse_tile(args.tile) if args.tile else tile, cluster=parse_cluster(args.cluster) if args.cluster else cluster,
+        schedule=args.schedule or schedule,
         operand_dtypes=parse_operand_dtypes(program, args.operand_dtype),
         table_periods=parse_table_periods(program, getattr(args, "table_period", None)),
         ab_stages=getattr(args, "ab_stages", None) or 0,
@@ -479,17 +481,16 @@ def _add_config_flags(parser: argparse.ArgumentParser, several: bool = False) ->
     group.add_argument("--dtype", **default(d.dtype), help=f"A and B dtype: bf16 or f16 (default {d.dtype})")
     group.add_argument("--majors", **default(d.majors),
                        help=f"A's major (k or m) then B's (k or n); kk is x @ W.T (default {d.majors})")
-    tile_default = ("what the runtime picks for large problems" if several else f"{d.tile[0]}x{d.tile[1]}")
-    group.add_argument("--tile", **default(f"{d.tile[0]}x{d.tile[1]}"), metavar="MxN",
-                       help=f"CTA tile: {', '.join(f'{a}x{b}' for a, b in TILE_SHAPES)} (default {tile_default})")
-    cluster_default = ("what the runtime picks for large problems" if several else f"{d.cluster[0]}x{d.cluster[1]}")
-    group.add_argument("--cluster", **default(f"{d.cluster[0]}x{d.cluster[1]}"), metavar="MxN",
-                       help=f"CTA cluster: {', '.join(f'{a}x{b}' for a, b in CLUSTER_SHAPES)} "
-                            f"(default {cluster_default})")
-    schedule_default = "what the runtime picks for large problems" if several else d.schedule
-    group.add_argument("--schedule", **default(d.schedule), metavar="SCHEDULE",
-                       help=f"consumer warpgroups: {', '.join(SCHEDULES)} (pingpong needs a tile of at most 128x128; "
-                            f"default {schedule_default})")
+    # tile, cluster and schedule default to what the runtime picks for the program (large
+    # problems), so `emit` and `inspect` show the kernel a call would run
+    picked = "what the runtime picks for the program on large problems"
+    group.add_argument("--tile", **many if several else {}, metavar="MxN",
+                       help=f"CTA tile: {', '.join(f'{a}x{b}' for a, b in TILE_SHAPES)} (default {picked})")
+    group.add_argument("--cluster", **many if several else {}, metavar="MxN",
+                       help=f"CTA cluster: {', '.join(f'{a}x{b}' for a, b in CLUSTER_SHAPES)} (default {picked})")
+    group.add_argument("--schedule", **many if several else {}, metavar="SCHEDULE",
+                       help=f"consumer warpgroups: {', '.join(SCHEDULES)} (ping-pong takes tiles of up to 128x192 "
+                            f"elements; default {picked})")
     group.add_argument("--operand-dtype", action="append", metavar="NAME=DTYPE",
                        help=f"dtype of a tensor operand ({', '.join(CUTE_DTYPES)}; default: the input dtype); "
                             "repeat for several operands")

@@ -117,8 +117,19 @@ def test_emit_writes_a_python_file(capsys, tmp_path):
     compile(source, str(target), "exec")
     assert "coda-cute kernel `swiglu`" in source
     assert header_command(source) == shlex.split(
-        "coda-cute emit swiglu --arch sm_90a --gpu H200 --dtype bf16 --majors kk --tile 128x128 --cluster 2x1 "
+        "coda-cute emit swiglu --arch sm_90a --gpu H200 --dtype bf16 --majors kk --tile 128x128 --cluster 1x2 "
         "--schedule cooperative")
+
+
+def test_emit_defaults_to_the_kernel_the_runtime_picks(capsys):
+    """Without tile / cluster / schedule flags, emit shows what `Kernel` would run on a large problem."""
+    from coda_cute.cli import runtime_defaults
+
+    program = library.get("swiglu_bwd")
+    tile, cluster, schedule = runtime_defaults(program)
+    assert (tile, schedule) == ((128, 192), "pingpong")  # a heavy epilogue (2N-wide tiles)
+    code, out, _ = cli(capsys, "emit", "swiglu_bwd")
+    assert code == 0 and out == emit(program, KernelConfig(tile=tile, cluster=cluster, schedule=schedule))
 
 
 @pytest.mark.compile
