@@ -100,6 +100,13 @@ class Context:
     @property
     def fast_tiles(self) -> bool:
         return any(t["fast"] for t in self.tile_outputs + self.tile_inputs)
+
+    def uses(self, name: str) -> bool:
+        """Whether the generated lines refer to ``name``: the template defines the tile's
+        coordinates (``tCcAcc``, ``row0``, ``col0``) only for epilogues that read them."""
+        lines = (self.body + self.tile_prologue + self.subtile_prologue + self.subtile_compute_end
+                 + self.subtile_epilogue + self.tile_epilogue + [str(x) for x in self.vectors + self.views])
+        return any(re.search(rf"\b{name}\b", line) for line in lines)
     epi_load_bytes: int = 0
     call_signature: str = ""
 
@@ -209,17 +216,22 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
         ctx.kernel_param_decls.append(f"out_{out.name}: cute.Tensor")
         if out.axis == "col":
             ctx.col_reductions.append(out.name)
+    read = {node.attrs[0] for node in program.nodes if node.op == "load"}
     for op in program.operands:
         name = f"in_{op.name}"
+        unread = "" if op.name in read else " (not read by the program)"  # taken, never loaded
         if op.kind == "scalar":
-            ctx.host_params.append(dict(name=name, annotation="cutlass.Float32", doc=f"{name} float"))
-            ctx.kernel_params.append(name)
-            ctx.kernel_param_decls.append(f"{name}: cutlass.Float32")
+            ctx.host_params.append(dict(name=name, annotation="cutlass.Float32", doc=f"{name} float{unread}"))
+            if not unread:
+                ctx.kernel_params.append(name)
+                ctx.kernel_param_decls.append(f"{name}: cutlass.Float32")
             continue
         dtype = operand_dtype(config, op.name)
         shape = {"row": "(M,)", "col": f"({width_str(op.width)},)", "tile": f"(M, {width_str(op.width)})",
                  "table": "(R, P)"}[op.kind]
-        ctx.host_params.append(dict(name=name, annotation="cute.Tensor", doc=f"{name} {shape} {dtype}"))
+        ctx.host_params.append(dict(name=name, annotation="cute.Tensor", doc=f"{name} {shape} {dtype}{unread}"))
+        if unread:
+            continue
         if op.kind == "tile":
             ctx.tile_inputs.append(dict(
                 label=f"{op.name} ({width_str(op.width)} wide, {dtype})", width=op.width, gmem=name,
@@ -394,12 +406,13 @@ class _Body:
         text = "\n".join(self.lines)
         uses = {name: re.search(rf"\b{name}\b", text) is not None for name in ("row", "col")}
         head = []
-        if uses["row"] or uses["col"]:
+        if uses["row"] and uses["col"]:
             head.append("row_in_tile, col_in_tile = tCcAcc[pair0]")
         if uses["row"]:
-            head.append("row = row0 + row_in_tile")
+            head.append("row = row0 + " + ("row_in_tile" if uses["col"] else "tCcAcc[pair0][0]"))
         if uses["col"]:
-            head.append("col = col0 + col_in_tile  # accumulator column of the pair's first element")
+            col = "col_in_tile" if uses["row"] else "tCcAcc[pair0][1]"
+            head.append(f"col = col0 + {col}  # accumulator column of the pair's first element")
         self.lines[:0] = head
 
     # -- values

@@ -10,6 +10,7 @@ from coda_cute.compile import compile_program
 from coda_cute.config import KernelConfig
 from coda_cute.errors import UnsupportedError
 from coda_cute.lower import lower
+from coda_cute.render import emit
 
 pytestmark = pytest.mark.compile
 
@@ -81,7 +82,6 @@ def test_persistent_grid_is_bounded_by_the_sm_count(tmp_path):
     persistent scheduler), so the emitted constants must keep that within the GPU."""
     from coda_cute.compile import import_source
     from coda_cute.config import CLUSTER_SHAPES, GPUS
-    from coda_cute.render import emit
 
     for gpu in GPUS:
         for cluster in CLUSTER_SHAPES:
@@ -129,3 +129,54 @@ def test_random_composition_compiles_without_spills(seed, tmp_path):
     sass = compiled.artifacts["sass"].read_text()
     assert "HGMMA" in sass and "LDL" not in sass and "STL" not in sass
     assert compiled.spill_bytes == 0
+
+
+def _unused_locals(source: str) -> list[str]:
+    """Names each function of ``source`` assigns and never reads ('_'-prefixed names excepted)."""
+    import symtable
+
+    found, tables = [], [symtable.symtable(source, "kernel.py", "exec")]
+    while tables:
+        table = tables.pop()
+        tables += table.get_children()
+        if table.get_type() == "function":
+            found += [f"{table.get_name()}: {s.get_name()}" for s in table.get_symbols()
+                      if s.is_assigned() and not s.is_referenced() and not s.get_name().startswith("_")]
+    return found
+
+
+@pytest.mark.parametrize("config", [KernelConfig(cluster=(1, 2)),
+                                    KernelConfig(tile=(128, 192), cluster=(1, 2), schedule="pingpong"),
+                                    KernelConfig(tile=(64, 256), schedule="pingpong", ab_stages=3)],
+                         ids=["cooperative", "pingpong-128x192", "pingpong-64x256-ab3"])
+def test_emitted_source_has_no_dead_assignments(config):
+    """Template residue check: every value the emitted kernel computes is used (e.g. the tile's
+    coordinates only appear in epilogues that read them)."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from random_programs import random_program
+
+    programs = [library.get(name) for name in _lowerable(config)] + [random_program(seed) for seed in range(8)]
+    for program in programs:
+        try:
+            source = emit(program, config)
+        except UnsupportedError:
+            continue
+        assert not _unused_locals(source), f"{program.name}: assigned, never read: {_unused_locals(source)}"
+
+
+def test_an_operand_the_program_never_reads_is_taken_but_not_loaded(tmp_path):
+    """The call signature keeps it (callers pass what the program declares); the kernel moves none of it."""
+    import coda_cute as cc
+
+    @cc.epilogue
+    def ignores_bias(acc, bias: cc.ColVec, scale: cc.Scalar):
+        return acc * 2.0
+
+    source = emit(ignores_bias, KernelConfig())
+    assert "in_bias (N,) bf16 (not read by the program)" in source and "in_scale float (not read" in source
+    # named twice each: in the docstring's call signature and as host parameters, nowhere in the kernel
+    assert source.count("in_bias") == 2 and source.count("in_scale") == 2
+    compiled = compile_program(ignores_bias, KernelConfig(), source_dir=tmp_path)
+    assert compiled.function is not None
