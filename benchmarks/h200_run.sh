@@ -4,7 +4,8 @@
 #   bash benchmarks/h200_run.sh tests    # GPU tests, 4 processes (compiling is what takes time)
 #   bash benchmarks/h200_run.sh runtime  # compile / warm-load / per-call costs
 #   bash benchmarks/h200_run.sh ops [D [MODE ...]]  # fused ops vs cuBLAS / eager / torch.compile
-#                                                 # (MODE: default, max-autotune-no-cudagraphs)
+#                                                 # (MODE: default, max-autotune-no-cudagraphs;
+#                                                 # OPS="RoPE bwd": only ops whose name contains a word)
 #   bash benchmarks/h200_run.sh variants [LABEL ...]  # d = 4096 ops with other tile/schedule/stage
 #                                                    # choices (those whose label contains LABEL)
 #   bash benchmarks/h200_run.sh block [D ...]  # Llama MLP and block, forward + backward
@@ -41,7 +42,8 @@ case $step in
   ops)
     d=${1:-4096}
     shift || true
-    python benchmarks/bench_sm90.py --d "$d" --compile-modes "${@:-default}" --out "$out/ops-d$d.json" ;;
+    python benchmarks/bench_sm90.py --d "$d" --compile-modes "${@:-default}" ${OPS:+--ops $OPS} \
+      --out "$out/ops-d$d${OPS:+-$(echo "$OPS" | tr -c 'A-Za-z0-9\n' _)}.json" ;;
   variants)
     python benchmarks/bench_sm90.py --d 4096 --variants "$@" --out "$out/variants-d4096.json" ;;
   block)
