@@ -66,7 +66,7 @@ class KernelConfig:
         if self.schedule == "pingpong" and self.tile[0] * self.tile[1] > 128 * 192:
             raise UnsupportedError(
                 f"tile {self.tile}: ping-pong gives each warpgroup a whole tile, whose fp32 accumulator must fit "
-                "128 registers per thread (64x128, 64x256, 128x64, 128x128)"
+                "192 registers per thread (64x128, 64x256, 128x64, 128x128 or 128x192)"
             )
         if self.ab_stages and not 2 <= self.ab_stages <= 8:
             raise UnsupportedError(f"ab_stages {self.ab_stages}: expected 2..8 mainloop stages, or 0 for automatic")

@@ -97,18 +97,19 @@ class Context:
     epi_n: int = EPI_N_CHOICES[0]
     helpers: set = field(default_factory=set)  # module-level helper functions the body calls
 
+    epi_load_bytes: int = 0
+    call_signature: str = ""
+
     @property
     def fast_tiles(self) -> bool:
         return any(t["fast"] for t in self.tile_outputs + self.tile_inputs)
 
     def uses(self, name: str) -> bool:
         """Whether the generated lines refer to ``name``: the template defines the tile's
-        coordinates (``tCcAcc``, ``row0``, ``col0``) only for epilogues that read them."""
+        coordinates (``tCcAcc``, ``row0``, ``col0``) and the view helpers only where used."""
         lines = (self.body + self.tile_prologue + self.subtile_prologue + self.subtile_compute_end
                  + self.subtile_epilogue + self.tile_epilogue + [str(x) for x in self.vectors + self.views])
         return any(re.search(rf"\b{name}\b", line) for line in lines)
-    epi_load_bytes: int = 0
-    call_signature: str = ""
 
 
 def operand_dtype(config: KernelConfig, name: str) -> str:
