@@ -166,7 +166,7 @@ def test_inspect_shows_sass_and_register_report(capsys, tmp_path):
     (["emit", "gemm", "--gpu", "A100"], ["GPU 'A100'", "H200"]),
     (["emit", "gemm", "--dtype", "f32"], ["input dtype 'f32'"]),
     (["emit", "gemm", "--majors", "nk"], ["majors 'nk'"]),
-    (["emit", "gemm", "--schedule", "pingpong"], ["ping-pong", "128 registers"]),
+    (["emit", "gemm", "--schedule", "pingpong"], ["ping-pong", "192 registers"]),
     (["emit", "gemm", "--schedule", "fast"], ["schedule 'fast'", "cooperative, pingpong"]),
     (["precompile", "gemm", "--schedule", "fast"], ["schedule 'fast'"]),
     (["precompile", "gemm", "--gpu", "A100"], ["GPU 'A100'"]),
