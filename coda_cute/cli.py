@@ -94,12 +94,13 @@ def runtime_config(program: Program, config: KernelConfig) -> KernelConfig:
     return config.resolved(program)
 
 
-def runtime_defaults(program: Program) -> tuple[tuple[int, int], tuple[int, int], str]:
-    """Tile, cluster and schedule ``Kernel`` picks on its own for a large problem (M, N in the thousands)."""
+def runtime_defaults(program: Program, schedule: str | None = None) -> tuple[tuple[int, int], tuple[int, int], str]:
+    """Tile, cluster and schedule ``Kernel`` picks on its own for a large problem (M, N in the
+    thousands), for ``schedule`` when one is asked for."""
     from .runtime import default_tile
 
     large = types.SimpleNamespace(program=program, m=8192, n=8192)
-    tile, cluster, schedule = default_tile(large)
+    tile, cluster, schedule = default_tile(large, schedule)
     return tuple(tile), tuple(cluster), schedule
 
 
@@ -279,7 +280,9 @@ def parse_table_periods(program: Program, items) -> tuple[tuple[str, int], ...]:
 
 
 def _config(program: Program, args) -> KernelConfig:
-    tile, cluster, schedule = runtime_defaults(program)
+    """The kernel the flags describe; what they leave out follows `Kernel`'s defaults."""
+    asked = args.schedule if args.schedule in SCHEDULES else None  # others fail check() below, by name
+    tile, cluster, schedule = runtime_defaults(program, asked or ("cooperative" if args.tile else None))
     return KernelConfig(
         arch=args.arch, gpu=args.gpu, dtype=args.dtype, majors=args.majors,
         tile=parse_tile(args.tile) if args.tile else tile, cluster=parse_cluster(args.cluster) if args.cluster else cluster,
@@ -414,7 +417,6 @@ def precompile_requests(args) -> list[tuple[Program, KernelConfig]]:
                                        f"named {item.partition('=')[0].strip()!r}")
     pairs = []
     for program in programs:
-        default_tile, default_cluster, default_schedule = runtime_defaults(program)
         items = args.operand_dtype or []
         if args.all:
             tensors = {op.name for op in program.operands if op.kind != "scalar"}
@@ -425,11 +427,12 @@ def precompile_requests(args) -> list[tuple[Program, KernelConfig]]:
                 for majors in args.majors or [KernelConfig.majors]:
                     for tile in tiles:
                         for cluster in clusters:
-                            for schedule in schedules:
+                            for schedule in schedules:  # what is left out: as Kernel fills it
+                                picked = runtime_defaults(program, schedule or ("cooperative" if tile else None))
                                 pairs.append((program, KernelConfig(
                                     arch=args.arch, gpu=gpu, dtype=dtype, majors=majors,
-                                    tile=tile or default_tile, cluster=cluster or default_cluster,
-                                    schedule=schedule or default_schedule, operand_dtypes=operand_dtypes)))
+                                    tile=tile or picked[0], cluster=cluster or picked[1],
+                                    schedule=schedule or picked[2], operand_dtypes=operand_dtypes)))
     return pairs
 
 

@@ -59,12 +59,14 @@ class Kernel:
         )
         table_periods = tuple((op.name, int(problem.operands[op.name].shape[1]))
                               for op in self.program.operands if op.kind == "table")
-        tile, cluster, schedule = self.tile, self.cluster, self.schedule
-        if tile is None:
-            tile, cluster, schedule = default_tile(problem)
+        # what is not given follows the defaults: a tile alone runs cooperative, a schedule alone
+        # gets that schedule's default tile, a missing cluster the default cluster rule
+        asked = self.schedule or ("cooperative" if self.tile else None)
+        tile, cluster, schedule = default_tile(problem, asked)
+        tile, cluster = self.tile or tile, self.cluster or cluster
         return KernelConfig(
             gpu=self.gpu or gpu_model(a.device), dtype=short_dtype(a.dtype), majors=majors,
-            tile=tuple(tile), cluster=tuple(cluster or (1, 1)), schedule=schedule or "cooperative",
+            tile=tuple(tile), cluster=tuple(cluster), schedule=schedule,
             ab_stages=self.ab_stages, operand_dtypes=operand_dtypes, table_periods=table_periods,
         ).check()
 
@@ -208,17 +210,22 @@ def gpu_model(device: torch.device) -> str:
     raise UnsupportedError(f"{props.name} with {props.multi_processor_count} SMs is not a known Hopper GPU")
 
 
-def default_tile(problem: Problem) -> tuple[tuple[int, int], tuple[int, int], str]:
+def default_tile(problem: Problem, schedule: str | None = None) -> tuple[tuple[int, int], tuple[int, int], str]:
     """Tile, cluster and schedule for a problem: 128x256 with a 2-CTA cluster for big outputs;
-    ping-pong 128x192 for programs with a heavy epilogue (see _heavy_epilogue)."""
+    ping-pong 128x192 for programs with a heavy epilogue (see _heavy_epilogue).  With a
+    ``schedule`` asked for, the tile for that schedule: ping-pong 128x192 where the epilogue
+    is heavy, else 128x128 (every library program compiles there without spills)."""
     # measured on H200 (benchmarks/results, d = 4096): 128x256 with a 1x2 cluster leads for the
     # GEMM and light epilogues; ping-pong 128x192, where one warpgroup's epilogue runs while the
     # other's WGMMAs keep the tensor cores busy, leads where the epilogue is heavy (SwiGLU bwd
     # 1.53 vs 1.72 ms, RoPE 0.67 vs 0.70) and loses a few % elsewhere (smaller tile)
     cluster = (1, 2) if problem.n > 256 else (2, 1) if problem.m > 128 else (1, 1)
+    heavy = _heavy_epilogue(problem.program)
+    if schedule == "pingpong":
+        return ((128, 192) if heavy else (128, 128)), cluster, "pingpong"
     if problem.n <= 128:
         return (128, 128), ((2, 1) if problem.m > 128 else (1, 1)), "cooperative"
-    if problem.n >= 1024 and _heavy_epilogue(problem.program):
+    if problem.n >= 1024 and heavy and schedule is None:
         return (128, 192), cluster, "pingpong"
     return (128, 256), cluster, "cooperative"
 

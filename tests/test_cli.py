@@ -121,6 +121,19 @@ def test_emit_writes_a_python_file(capsys, tmp_path):
         "--schedule cooperative")
 
 
+@pytest.mark.parametrize("name,flags,want", [
+    ("gemm", ["--schedule", "pingpong"], "tile 128x128, cluster 1x2, pingpong"),
+    ("swiglu_bwd", ["--schedule", "cooperative"], "tile 128x256, cluster 1x2, cooperative"),
+    ("swiglu_bwd", ["--tile", "128x192"], "tile 128x192, cluster 1x2, cooperative"),
+    ("swiglu_bwd", ["--cluster", "2x1"], "tile 128x192, cluster 2x1, pingpong"),
+])
+def test_emit_fills_what_the_flags_leave_out_as_kernel_does(capsys, name, flags, want):
+    """A schedule alone gets that schedule's default tile, a tile alone runs cooperative, a
+    missing cluster follows the default rule: the same as Kernel(program, **given)."""
+    code, out, err = cli(capsys, "emit", name, *flags, "-o", os.devnull)
+    assert code == 0 and want in err
+
+
 def test_emit_defaults_to_the_kernel_the_runtime_picks(capsys):
     """Without tile / cluster / schedule flags, emit shows what `Kernel` would run on a large problem."""
     from coda_cute.cli import runtime_defaults
@@ -166,7 +179,7 @@ def test_inspect_shows_sass_and_register_report(capsys, tmp_path):
     (["emit", "gemm", "--gpu", "A100"], ["GPU 'A100'", "H200"]),
     (["emit", "gemm", "--dtype", "f32"], ["input dtype 'f32'"]),
     (["emit", "gemm", "--majors", "nk"], ["majors 'nk'"]),
-    (["emit", "gemm", "--schedule", "pingpong"], ["ping-pong", "192 registers"]),
+    (["emit", "gemm", "--schedule", "pingpong", "--tile", "128x256"], ["ping-pong", "192 registers"]),
     (["emit", "gemm", "--schedule", "fast"], ["schedule 'fast'", "cooperative, pingpong"]),
     (["precompile", "gemm", "--schedule", "fast"], ["schedule 'fast'"]),
     (["precompile", "gemm", "--gpu", "A100"], ["GPU 'A100'"]),

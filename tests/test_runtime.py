@@ -3,6 +3,7 @@ output allocation, finishing of reductions, and which calls share a plan.  (The 
 itself is replaced by a stand-in that computes the program with the reference; the GPU
 tests run the real one.)"""
 
+import pytest
 import torch
 
 import coda_cute as cc
@@ -81,3 +82,20 @@ def test_cpu_tensors_run_the_reference():
     out = kernel(a, b, bias=bias)
     assert kernel.last.path == "reference" and kernel.launches == 0
     torch.testing.assert_close(out, torch.nn.functional.gelu(a @ b.t() + bias))
+
+
+@pytest.mark.parametrize("given,want", [
+    ({}, ((128, 192), (1, 2), "pingpong")),  # swiglu_bwd: a heavy epilogue
+    ({"schedule": "cooperative"}, ((128, 256), (1, 2), "cooperative")),
+    ({"tile": (128, 192)}, ((128, 192), (1, 2), "cooperative")),
+    ({"cluster": (2, 1)}, ((128, 192), (2, 1), "pingpong")),
+    ({"tile": (64, 256), "schedule": "pingpong", "cluster": (1, 1)}, ((64, 256), (1, 1), "pingpong")),
+])
+def test_kernel_fills_only_what_the_caller_left_out(given, want):
+    """A given schedule or cluster is kept when the tile is left to the defaults (both were
+    replaced by the defaults before)."""
+    program = library.get("swiglu_bwd")
+    a, b = torch.randn(2048, 64, dtype=torch.bfloat16), torch.randn(2048, 64, dtype=torch.bfloat16)
+    problem = bind(program, a, b, {"preact": torch.randn(2048, 4096, dtype=torch.bfloat16)})
+    config = Kernel(program, gpu="H200", **given).config_for(problem)
+    assert (config.tile, config.cluster, config.schedule) == want
