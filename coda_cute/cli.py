@@ -94,13 +94,13 @@ def runtime_config(program: Program, config: KernelConfig) -> KernelConfig:
     return config.resolved(program)
 
 
-def runtime_defaults(program: Program, schedule: str | None = None) -> tuple[tuple[int, int], tuple[int, int], str]:
-    """Tile, cluster and schedule ``Kernel`` picks on its own for a large problem (M, N in the
-    thousands), for ``schedule`` when one is asked for."""
-    from .runtime import default_tile
+def runtime_defaults(program: Program, tile=None, cluster=None, schedule=None) -> tuple[tuple[int, int], tuple[int, int], str]:
+    """Tile, cluster and schedule ``Kernel`` runs for a large problem (M, N in the thousands),
+    with the ones given kept and the rest filled as ``Kernel`` fills them."""
+    from .runtime import fill_config
 
     large = types.SimpleNamespace(program=program, m=8192, n=8192)
-    tile, cluster, schedule = default_tile(large, schedule)
+    tile, cluster, schedule = fill_config(large, tile, cluster, schedule)
     return tuple(tile), tuple(cluster), schedule
 
 
@@ -281,12 +281,12 @@ def parse_table_periods(program: Program, items) -> tuple[tuple[str, int], ...]:
 
 def _config(program: Program, args) -> KernelConfig:
     """The kernel the flags describe; what they leave out follows `Kernel`'s defaults."""
-    asked = args.schedule if args.schedule in SCHEDULES else None  # others fail check() below, by name
-    tile, cluster, schedule = runtime_defaults(program, asked or ("cooperative" if args.tile else None))
+    tile, cluster, schedule = runtime_defaults(  # an unknown schedule is kept, for check() to name
+        program, parse_tile(args.tile) if args.tile else None, parse_cluster(args.cluster) if args.cluster else None,
+        args.schedule)
     return KernelConfig(
         arch=args.arch, gpu=args.gpu, dtype=args.dtype, majors=args.majors,
-        tile=parse_tile(args.tile) if args.tile else tile, cluster=parse_cluster(args.cluster) if args.cluster else cluster,
-        schedule=args.schedule or schedule,
+        tile=tile, cluster=cluster, schedule=schedule,
         operand_dtypes=parse_operand_dtypes(program, args.operand_dtype),
         table_periods=parse_table_periods(program, getattr(args, "table_period", None)),
         ab_stages=getattr(args, "ab_stages", None) or 0,
@@ -427,12 +427,11 @@ def precompile_requests(args) -> list[tuple[Program, KernelConfig]]:
                 for majors in args.majors or [KernelConfig.majors]:
                     for tile in tiles:
                         for cluster in clusters:
-                            for schedule in schedules:  # what is left out: as Kernel fills it
-                                picked = runtime_defaults(program, schedule or ("cooperative" if tile else None))
+                            for schedule in schedules:
+                                picked = runtime_defaults(program, tile, cluster, schedule)
                                 pairs.append((program, KernelConfig(
-                                    arch=args.arch, gpu=gpu, dtype=dtype, majors=majors,
-                                    tile=tile or picked[0], cluster=cluster or picked[1],
-                                    schedule=schedule or picked[2], operand_dtypes=operand_dtypes)))
+                                    arch=args.arch, gpu=gpu, dtype=dtype, majors=majors, tile=picked[0],
+                                    cluster=picked[1], schedule=picked[2], operand_dtypes=operand_dtypes)))
     return pairs
 
 

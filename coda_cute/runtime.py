@@ -59,11 +59,7 @@ class Kernel:
         )
         table_periods = tuple((op.name, int(problem.operands[op.name].shape[1]))
                               for op in self.program.operands if op.kind == "table")
-        # what is not given follows the defaults: a tile alone runs cooperative, a schedule alone
-        # gets that schedule's default tile, a missing cluster the default cluster rule
-        asked = self.schedule or ("cooperative" if self.tile else None)
-        tile, cluster, schedule = default_tile(problem, asked)
-        tile, cluster = self.tile or tile, self.cluster or cluster
+        tile, cluster, schedule = fill_config(problem, self.tile, self.cluster, self.schedule)
         return KernelConfig(
             gpu=self.gpu or gpu_model(a.device), dtype=short_dtype(a.dtype), majors=majors,
             tile=tuple(tile), cluster=tuple(cluster), schedule=schedule,
@@ -210,6 +206,16 @@ def gpu_model(device: torch.device) -> str:
     raise UnsupportedError(f"{props.name} with {props.multi_processor_count} SMs is not a known Hopper GPU")
 
 
+def fill_config(problem: Problem, tile=None, cluster=None, schedule=None) -> tuple:
+    """(tile, cluster, schedule) with what the caller left out (None) filled by the defaults: a
+    tile alone runs cooperative, a schedule alone gets that schedule's default tile, a missing
+    cluster follows the default cluster rule.  `Kernel` and the CLI both fill their configs here."""
+    if tile is not None and schedule is None:
+        schedule = "cooperative"
+    default = default_tile(problem, schedule)
+    return tile or default[0], cluster or default[1], schedule or default[2]
+
+
 def default_tile(problem: Problem, schedule: str | None = None) -> tuple[tuple[int, int], tuple[int, int], str]:
     """Tile, cluster and schedule for a problem: 128x256 with a 2-CTA cluster for big outputs;
     ping-pong 128x192 for programs with a heavy epilogue (see _heavy_epilogue).  With a
@@ -224,7 +230,7 @@ def default_tile(problem: Problem, schedule: str | None = None) -> tuple[tuple[i
     if schedule == "pingpong":
         return ((128, 192) if heavy else (128, 128)), cluster, "pingpong"
     if problem.n <= 128:
-        return (128, 128), ((2, 1) if problem.m > 128 else (1, 1)), "cooperative"
+        return (128, 128), cluster, "cooperative"
     if problem.n >= 1024 and heavy and schedule is None:
         return (128, 192), cluster, "pingpong"
     return (128, 256), cluster, "cooperative"
