@@ -63,6 +63,10 @@ def main():
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--vocab", type=int, default=128256, help="LM head + cross-entropy case (0: skip it)")
     parser.add_argument("--out", default="block.json")
+    parser.add_argument("--compile-modes", nargs="+", default=["default"],
+                        help="torch.compile modes to time (default, max-autotune-no-cudagraphs)")
+    parser.add_argument("--cases", nargs="+", choices=["MLP", "block", "LM head"],
+                        help="only these cases (default: all)")
     parser.add_argument("--profile", action="store_true",
                         help="also print each contender's kernels (torch.profiler, one step, by GPU time)")
     args = parser.parse_args()
@@ -101,12 +105,15 @@ def main():
         def mlp_gemms():  # forward 2, backward 4 GEMMs of the MLP, nothing else
             x2 @ w_gu.t(); a_act @ w_dn.t(); x2 @ w_dn; x2.t() @ a_act; dz @ w_gu; dz.t() @ x2  # noqa: E702
 
+        def compiled(fn, step):  # one contender per torch.compile mode
+            return {_mode_label(mode): (lambda c=torch.compile(fn, dynamic=False, mode=_mode(mode)): step(c, h))
+                    for mode in args.compile_modes}
+
         cases = {
             "MLP": {"coda-cute": lambda: _step(mlp, h, grad), "torch eager": lambda: _step(mlp_eager, h, grad),
-                    "torch.compile": (lambda c=torch.compile(mlp_eager, dynamic=False): _step(c, h, grad)),
-                    "cuBLAS GEMMs alone": mlp_gemms},
+                    **compiled(mlp_eager, lambda c, x: _step(c, x, grad)), "cuBLAS GEMMs alone": mlp_gemms},
             "block": {"coda-cute": lambda: _step(block, h, grad), "torch eager": lambda: _step(block_eager, h, grad),
-                      "torch.compile": (lambda c=torch.compile(block_eager, dynamic=False): _step(c, h, grad))},
+                      **compiled(block_eager, lambda c, x: _step(c, x, grad))},
         }
         if args.vocab:
             w_head = (torch.randn(args.vocab, d, device="cuda") * d ** -0.5).bfloat16().requires_grad_()
@@ -123,10 +130,12 @@ def main():
             cases["LM head + cross-entropy"] = {
                 "coda-cute": lambda: _loss_step(lambda x: linear_cross_entropy(x, w_head, target), h),
                 "torch eager": lambda: _loss_step(head_eager, h),
-                "torch.compile": (lambda c=torch.compile(head_eager, dynamic=False): _loss_step(c, h)),
+                **compiled(head_eager, _loss_step),
                 "cuBLAS GEMMs alone": head_gemms,
             }
         for name, contenders in cases.items():
+            if args.cases and not any(name.startswith(c) for c in args.cases):
+                continue
             _check(name, contenders["coda-cute"], contenders["torch eager"], h)
             for f in contenders.values():
                 f()  # compile / warm up
@@ -144,6 +153,15 @@ def main():
             if args.profile:
                 for key, f in contenders.items():
                     _profile(f"{name} / {key}, d={d}", f)
+
+
+def _mode(mode):
+    return None if mode == "default" else mode
+
+
+def _mode_label(mode):
+    """'torch.compile' for the default mode (the name earlier result files use), else with the mode."""
+    return "torch.compile" if mode == "default" else f"torch.compile {mode}"
 
 
 def _profile(title, f):

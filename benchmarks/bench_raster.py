@@ -1,0 +1,80 @@
+"""How the persistent tile scheduler's order affects our GEMMs at d = 4096 (M = 8192 tokens):
+raster along M or N, swizzle 1/2/4/8 (CuTe DSL's PersistentTileSchedulerParams), default
+tile and cluster otherwise, beside cuBLAS, interleaved, median of 5 repetitions.
+
+    python benchmarks/bench_raster.py --out raster.json
+
+Not a runtime option yet: `Kernel` always runs raster along M, swizzle 1 (results README).
+Label "M4" = raster along M, swizzle 4.  Plain-GEMM outputs are checked against torch first.
+"""
+
+import argparse
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+
+from coda_cute import library
+from coda_cute.runtime import Kernel
+
+
+class SchedulerOrder(Kernel):
+    """`Kernel` with the tile scheduler's raster order and swizzle set."""
+
+    def __init__(self, program, raster_along_m: bool, swizzle: int):
+        super().__init__(program)
+        self.raster_along_m, self.swizzle = raster_along_m, swizzle
+
+    def config_for(self, problem):
+        return super().config_for(problem).with_(raster_along_m=self.raster_along_m, swizzle=self.swizzle)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="raster.json")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    from triton.testing import do_bench
+
+    bf = torch.bfloat16
+    m, d, ffn, qkv = 8192, 4096, 14336, 6144
+
+    def weight(n, k):
+        return torch.randn(n, k, device="cuda", dtype=bf) * k ** -0.5
+
+    x = torch.randn(m, d, device="cuda", dtype=bf)
+    h = torch.randn(m, ffn, device="cuda", dtype=bf)
+    cases = [("gate/up", x, weight(2 * ffn, d), "gemm"), ("gate/up SwiGLU", x, weight(2 * ffn, d), "swiglu"),
+             ("QKV", x, weight(qkv, d), "gemm"), ("down", h, weight(d, ffn), "gemm")]
+    rows = []
+    for name, a, b, program_name in cases:
+        program = library.get(program_name)
+        contenders = {"cuBLAS": lambda a=a, b=b: a @ b.t()}
+        for raster_along_m in (True, False):
+            for swizzle in (1, 2, 4, 8):
+                kernel = SchedulerOrder(program, raster_along_m, swizzle)
+                out = kernel(a, b)
+                if program_name == "gemm":
+                    want = (a @ b.t()).float()
+                    err = ((out.float() - want).norm() / want.norm()).item()
+                    assert err < 1e-2, f"{name} raster_along_m={raster_along_m} swizzle={swizzle}: error {err:.3g}"
+                label = f"{'M' if raster_along_m else 'N'}{swizzle}"
+                contenders[label] = lambda k=kernel, a=a, b=b: k(a, b)
+        times = {c: [] for c in contenders}
+        for _ in range(args.reps):
+            for c, f in contenders.items():
+                times[c].append(do_bench(f, warmup=25, rep=100))
+        rows.append({"op": name, **{c: round(statistics.median(t), 3) for c, t in times.items()}})
+        print(rows[-1], flush=True)
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "python": platform.python_version(), "command": "python " + " ".join(map(shlex.quote, sys.argv))}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
