@@ -4,8 +4,9 @@ tile and cluster otherwise, beside cuBLAS, interleaved, median of 5 repetitions.
 
     python benchmarks/bench_raster.py --out raster.json
 
-Not a runtime option yet: `Kernel` always runs raster along M, swizzle 1 (results README).
-Label "M4" = raster along M, swizzle 4.  Plain-GEMM outputs are checked against torch first.
+`Kernel(program, raster_along_m=..., swizzle=...)` (and `coda-cute emit --raster --swizzle`)
+set the order; the default is raster along M, swizzle 1 (results README).  Label "M4" =
+raster along M, swizzle 4.  Plain-GEMM outputs are checked against torch first.
 """
 
 import argparse
@@ -20,17 +21,6 @@ import torch
 
 from coda_cute import library
 from coda_cute.runtime import Kernel
-
-
-class SchedulerOrder(Kernel):
-    """`Kernel` with the tile scheduler's raster order and swizzle set."""
-
-    def __init__(self, program, raster_along_m: bool, swizzle: int):
-        super().__init__(program)
-        self.raster_along_m, self.swizzle = raster_along_m, swizzle
-
-    def config_for(self, problem):
-        return super().config_for(problem).with_(raster_along_m=self.raster_along_m, swizzle=self.swizzle)
 
 
 def main():
@@ -56,7 +46,7 @@ def main():
         contenders = {"cuBLAS": lambda a=a, b=b: a @ b.t()}
         for raster_along_m in (True, False):
             for swizzle in (1, 2, 4, 8):
-                kernel = SchedulerOrder(program, raster_along_m, swizzle)
+                kernel = Kernel(program, raster_along_m=raster_along_m, swizzle=swizzle)
                 out = kernel(a, b)
                 if program_name == "gemm":
                     want = (a @ b.t()).float()

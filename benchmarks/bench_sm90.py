@@ -115,6 +115,8 @@ def _variants(program):
                                     ((128, 192), (1, 2), "pingpong"), ((128, 192), (2, 1), "pingpong")):
         label = f"{tile[0]}x{tile[1]} c{cluster[0]}x{cluster[1]} {schedule}"
         out.append((label, cc.Kernel(program, tile=tile, cluster=cluster, schedule=schedule)))
+    for swizzle in (2, 4):  # the default tile, walked in groups of clusters along N (L2 reuse of A)
+        out.append((f"default tile, swizzle {swizzle}", cc.Kernel(program, swizzle=swizzle)))
     return out
 
 

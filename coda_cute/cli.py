@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from . import __version__
-from .config import CLUSTER_SHAPES, GPUS, SCHEDULES, TILE_SHAPES, KernelConfig, parse_pair
+from .config import CLUSTER_SHAPES, GPUS, SCHEDULES, SWIZZLES, TILE_SHAPES, KernelConfig, parse_pair
 from .errors import CodaError, ProgramError, UnsupportedError
 from .lower import CUTE_DTYPES
 from .program import Program, width_str
@@ -290,7 +290,14 @@ def _config(program: Program, args) -> KernelConfig:
         operand_dtypes=parse_operand_dtypes(program, args.operand_dtype),
         table_periods=parse_table_periods(program, getattr(args, "table_period", None)),
         ab_stages=getattr(args, "ab_stages", None) or 0,
+        raster_along_m=_raster_along_m(getattr(args, "raster", "m")), swizzle=getattr(args, "swizzle", 1),
     ).check()
+
+
+def _raster_along_m(raster: str) -> bool:
+    if raster not in ("m", "n"):
+        raise UnsupportedError(f"raster {raster!r}: expected m (down M first) or n (across N first)")
+    return raster == "m"
 
 
 def cmd_emit(args) -> int:
@@ -502,6 +509,12 @@ def _add_config_flags(parser: argparse.ArgumentParser, several: bool = False) ->
         group.add_argument("--ab-stages", type=int, default=0, metavar="S",
                            help="mainloop stages, 2..8; fewer leave shared memory for deeper epilogue input rings "
                                 "(default 0: planned, at least 4 where they fit)")
+        group.add_argument("--raster", default="m", metavar="{m,n}",
+                           help="order of the persistent tile scheduler: down M first or across N (default m)")
+        group.add_argument("--swizzle", type=int, default=1, metavar="S",
+                           help=f"walk tiles in groups of S clusters, {', '.join(map(str, SWIZZLES))} (better L2 "
+                                "reuse on wide GEMMs; S should divide the cluster columns, or the cluster rows "
+                                "with --raster n; default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,8 @@ INPUT_DTYPES = ("bf16", "f16")
 TILE_SHAPES = ((128, 256), (128, 192), (128, 128), (128, 64), (64, 256), (64, 128))
 CLUSTER_SHAPES = ((1, 1), (2, 1), (1, 2))
 SCHEDULES = ("cooperative", "pingpong")
+#: tile-scheduler swizzles: groups of this many clusters walked across before moving on
+SWIZZLES = (1, 2, 4, 8)
 SMEM_BYTES = {"sm_90a": 232448}  # dynamic shared memory per CTA on Hopper (227 KB)
 
 
@@ -35,6 +37,9 @@ class KernelConfig:
     tile: tuple[int, int] = (128, 256)
     cluster: tuple[int, int] = (2, 1)
     schedule: str = "cooperative"
+    #: order of the persistent tile scheduler: down M first (or across N), swizzled in groups of
+    #: `swizzle` clusters (CuTe's PersistentTileSchedulerParams); a swizzle that does not divide
+    #: the number of cluster columns (rows, rastering along N) runs the rounded-up tiles empty
     raster_along_m: bool = True
     swizzle: int = 1
     #: mainloop (A/B) stages; 0 = planned: as many as the shared memory left by the epilogue
@@ -70,8 +75,10 @@ class KernelConfig:
             )
         if self.ab_stages and not 2 <= self.ab_stages <= 8:
             raise UnsupportedError(f"ab_stages {self.ab_stages}: expected 2..8 mainloop stages, or 0 for automatic")
-        if self.swizzle < 1:
-            raise UnsupportedError(f"swizzle {self.swizzle} must be >= 1")
+        if type(self.raster_along_m) is not bool:
+            raise UnsupportedError(f"raster_along_m {self.raster_along_m!r}: expected True or False")
+        if type(self.swizzle) is not int or self.swizzle not in SWIZZLES:
+            raise UnsupportedError(f"swizzle {self.swizzle!r}: expected one of {', '.join(map(str, SWIZZLES))}")
         return self
 
     def resolved(self, program) -> "KernelConfig":
@@ -109,6 +116,8 @@ class KernelConfig:
     def describe(self) -> str:
         return (f"{self.arch} {self.gpu} ({self.sm_count} SMs), {self.dtype} inputs, majors {self.majors}, "
                 f"tile {self.tile[0]}x{self.tile[1]}, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}"
+                + ("" if self.raster_along_m else ", raster along N")
+                + (f", swizzle {self.swizzle}" if self.swizzle > 1 else "")
                 + (f", {self.ab_stages} mainloop stages" if self.ab_stages else ""))
 
 

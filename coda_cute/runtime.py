@@ -42,10 +42,11 @@ class Kernel:
 
     def __init__(self, program: Program, *, tile: tuple[int, int] | None = None,
                  cluster: tuple[int, int] | None = None, schedule: str | None = None, gpu: str | None = None,
-                 ab_stages: int = 0):
+                 ab_stages: int = 0, raster_along_m: bool = True, swizzle: int = 1):
         self.program = program
         self.tile, self.cluster, self.schedule, self.gpu = tile, cluster, schedule, gpu
         self.ab_stages = ab_stages  # mainloop stages; 0: planned from the shared memory (KernelConfig)
+        self.raster_along_m, self.swizzle = raster_along_m, swizzle  # tile order (KernelConfig)
         self.launches = 0
         self.last: Launch | None = None
         self._plans: dict = {}
@@ -63,7 +64,8 @@ class Kernel:
         return KernelConfig(
             gpu=self.gpu or gpu_model(a.device), dtype=short_dtype(a.dtype), majors=majors,
             tile=tuple(tile), cluster=tuple(cluster), schedule=schedule,
-            ab_stages=self.ab_stages, operand_dtypes=operand_dtypes, table_periods=table_periods,
+            ab_stages=self.ab_stages, raster_along_m=self.raster_along_m, swizzle=self.swizzle,
+            operand_dtypes=operand_dtypes, table_periods=table_periods,
         ).check()
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: dict | None = None,

@@ -80,6 +80,7 @@ def test_show_prints_the_program_listing(capsys):
     ("swiglu", ["--gpu", "H100", "--dtype", "f16", "--majors", "mn", "--tile", "128x128", "--cluster", "1x2"]),
     ("residual_sumsq", ["--tile", "64x256", "--cluster", "1x1", "--operand-dtype", "residual=f32"]),
     ("residual_sumsq", ["--ab-stages", "3"]),  # the residual ring then holds the whole tile
+    ("gemm", ["--raster", "n", "--swizzle", "4"]),
     ("rms_scale_gamma", ["--tile", "64x256", "--schedule", "pingpong", "--operand-dtype", "rstd=f32",
                          "--operand-dtype", "gamma=bf16"]),
 ])
@@ -181,6 +182,8 @@ def test_inspect_shows_sass_and_register_report(capsys, tmp_path):
     (["emit", "gemm", "--majors", "nk"], ["majors 'nk'"]),
     (["emit", "gemm", "--schedule", "pingpong", "--tile", "128x256"], ["ping-pong", "192 registers"]),
     (["emit", "gemm", "--schedule", "fast"], ["schedule 'fast'", "cooperative, pingpong"]),
+    (["emit", "gemm", "--swizzle", "3"], ["swizzle 3: expected one of 1, 2, 4, 8"]),
+    (["emit", "gemm", "--raster", "k"], ["raster 'k': expected m", "or n"]),
     (["precompile", "gemm", "--schedule", "fast"], ["schedule 'fast'"]),
     (["precompile", "gemm", "--gpu", "A100"], ["GPU 'A100'"]),
     (["precompile", "gemm", "--tile", "128x256", "--schedule", "pingpong"], ["nothing to precompile"]),

@@ -114,6 +114,28 @@ def test_explicit_mainloop_stages_are_taken_exactly_or_refused():
         lower(library.get("gemm"), KernelConfig(ab_stages=8))  # 8 x 48 KB of A/B stages
 
 
+@pytest.mark.parametrize("bad", [3, 16, 0, "4", 4.0, True])
+def test_swizzle_is_one_of_the_schedulers_and_an_int(bad):
+    """It is printed into the emitted source: only the values CuTe's tile scheduler is run with."""
+    with pytest.raises(UnsupportedError, match="swizzle .*: expected one of 1, 2, 4, 8"):
+        KernelConfig(swizzle=bad).check()
+
+
+def test_raster_is_a_bool():
+    with pytest.raises(UnsupportedError, match="raster_along_m 'False': expected True or False"):
+        KernelConfig(raster_along_m="False").check()
+
+
+def test_swizzled_tile_order_compiles(tmp_path):
+    """Raster along N with swizzle 4 (the tile scheduler's other order, generic layout path)."""
+    config = KernelConfig(raster_along_m=False, swizzle=4).check()
+    compiled = compile_program(library.get("residual_sumsq"), config, keep=("sass",), dump_dir=tmp_path / "dump",
+                               source_dir=tmp_path / "src", report=True)
+    assert (compiled.module.RASTER_ALONG_M, compiled.module.SWIZZLE) == (False, 4)
+    sass = compiled.artifacts["sass"].read_text()
+    assert "HGMMA" in sass and "UTMASTG" in sass and compiled.spill_bytes == 0
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_composition_compiles_without_spills(seed, tmp_path):
     import sys

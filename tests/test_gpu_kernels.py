@@ -95,10 +95,10 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, 
 
 
 def run_and_compare(program: Program, m: int, n: int, k: int, dtype=torch.bfloat16, majors="kk",
-                    tile=None, cluster=None, schedule=None, seed=0, ab_stages=0):
+                    tile=None, cluster=None, schedule=None, seed=0, ab_stages=0, **order):
     gen = torch.Generator().manual_seed(seed * 7919 + m * 31 + n * 17 + k)
     a, b, operands = make_inputs(program, m, n, k, dtype, gen, majors)
-    kernel = Kernel(program, tile=tile, cluster=cluster, schedule=schedule, ab_stages=ab_stages)
+    kernel = Kernel(program, tile=tile, cluster=cluster, schedule=schedule, ab_stages=ab_stages, **order)
     views, buffers = poisoned_outputs(program, m, n, dtype)
     result = kernel(a, b, out=views, return_partials=True, **operands)
     torch.cuda.synchronize()
@@ -191,6 +191,16 @@ def test_library_program_pingpong_128x192(name):
 def test_library_program_deep_input_rings(name, tile, cluster, schedule):
     """3 mainloop stages leave room for input rings several subtiles (up to a whole tile) deep."""
     run_and_compare(_sized(name, 1040), 700, 1040, 136, tile=tile, cluster=cluster, schedule=schedule, ab_stages=3)
+
+
+@pytest.mark.parametrize("raster_along_m,swizzle", [(True, 2), (True, 4), (False, 4)])
+@pytest.mark.parametrize("name", ["gemm", "residual_sumsq", "rmsnorm_bwd"])
+def test_swizzled_tile_order(name, raster_along_m, swizzle):
+    """700 x 1040 in 128x256 tiles, 1x2 clusters: 3 cluster columns and 6 rows, which swizzle 4
+    rounds up to 4 (8), so the scheduler also hands out tiles wholly past N (M): they must write
+    nothing, and no partial."""
+    run_and_compare(_sized(name, 1040), 700, 1040, 136, tile=(128, 256), cluster=(1, 2),
+                    raster_along_m=raster_along_m, swizzle=swizzle)
 
 
 def test_fp16_inputs():

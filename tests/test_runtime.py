@@ -10,6 +10,7 @@ import coda_cute as cc
 from coda_cute import library, reference
 from coda_cute.arguments import bind
 from coda_cute.config import KernelConfig
+from coda_cute.errors import UnsupportedError
 from coda_cute.runtime import CallPlan, Kernel, _signature
 
 
@@ -99,3 +100,16 @@ def test_kernel_fills_only_what_the_caller_left_out(given, want):
     problem = bind(program, a, b, {"preact": torch.randn(2048, 4096, dtype=torch.bfloat16)})
     config = Kernel(program, gpu="H200", **given).config_for(problem)
     assert (config.tile, config.cluster, config.schedule) == want
+
+
+def test_kernel_passes_the_tile_order_and_checks_it():
+    program = library.get("gemm")
+    a, b = torch.randn(256, 64, dtype=torch.bfloat16), torch.randn(512, 64, dtype=torch.bfloat16)
+    problem = bind(program, a, b, {})
+    assert Kernel(program, gpu="H200").config_for(problem).key() != \
+        Kernel(program, gpu="H200", swizzle=4).config_for(problem).key(), "the tile order is part of the cache key"
+    config = Kernel(program, gpu="H200", raster_along_m=False, swizzle=4).config_for(problem)
+    assert (config.raster_along_m, config.swizzle) == (False, 4)
+    assert config.describe().endswith("raster along N, swizzle 4")
+    with pytest.raises(UnsupportedError, match="swizzle 3: expected one of 1, 2, 4, 8"):
+        Kernel(program, gpu="H200", swizzle=3).config_for(problem)
