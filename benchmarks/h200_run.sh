@@ -9,6 +9,8 @@
 #   bash benchmarks/h200_run.sh variants [LABEL ...]  # d = 4096 ops with other tile/schedule/stage
 #                                                    # choices (those whose label contains LABEL)
 #   bash benchmarks/h200_run.sh block [D ...]  # Llama MLP and block, forward + backward
+#                                             # (MODES="default max-autotune-no-cudagraphs": torch.compile
+#                                             # modes; CASES="MLP block": only those cases)
 #   bash benchmarks/h200_run.sh sanitize  # compute-sanitizer memcheck + racecheck over the library
 #
 # Results and logs go to $OUT (the device tool's output folder) or ./h200-out. With the
@@ -47,7 +49,8 @@ case $step in
   variants)
     python benchmarks/bench_sm90.py --d 4096 --variants "$@" --out "$out/variants-d4096.json" ;;
   block)
-    python benchmarks/bench_block.py --d "${@:-4096}" --out "$out/block.json" ;;
+    python benchmarks/bench_block.py --d "${@:-4096}" --compile-modes ${MODES:-default} \
+      ${CASES:+--cases $CASES} --out "$out/block${CASES:+-$CASES}.json" ;;
   sanitize)
     python tests/gpu_sanitize.py > "$out/sanitize-warm.log" 2>&1 || { tail -n 20 "$out/sanitize-warm.log"; exit 1; }
     for tool in memcheck racecheck; do
