@@ -15,8 +15,8 @@
 #
 # Results and logs go to $OUT (the device tool's output folder) or ./h200-out. With the
 # carried CuTe DSL bundle, source .device/setup.sh first; set CODA_COMMIT (there is no git
-# there). Each step fits the device tool's 10-minute limit at one d (max-autotune compiles
-# for minutes per op: run it on its own).
+# there). Each step fits the device tool's 10-minute limit at one d (`ops D default
+# max-autotune-no-cudagraphs` took 2.5-4 minutes per d on 2026-12-03, most of it compiling).
 set -u
 step=${1:?tests, runtime, ops, variants, block or sanitize}
 shift
