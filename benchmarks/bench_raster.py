@@ -5,7 +5,9 @@ tile and cluster otherwise, beside cuBLAS, interleaved, median of 5 repetitions.
     python benchmarks/bench_raster.py --out raster.json
 
 `Kernel(program, raster_along_m=..., swizzle=...)` (and `coda-cute emit --raster --swizzle`)
-set the order; the default is raster along M, swizzle 1 (results README).  Label "M4" =
+set the order; the default is raster along M, swizzle 1 (results README).  The 2026-12-03
+results were taken with CuTe's own swizzle, which rounds the cluster grid up to a multiple of
+the swizzle (QKV at M8 ran a third more tiles); the kernels now use swizzled_tile instead.  Label "M4" =
 raster along M, swizzle 4.  Plain-GEMM outputs are checked against torch first.
 """
 

@@ -512,9 +512,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, several: bool = False) ->
         group.add_argument("--raster", default="m", metavar="{m,n}",
                            help="order of the persistent tile scheduler: down M first or across N (default m)")
         group.add_argument("--swizzle", type=int, default=1, metavar="S",
-                           help=f"walk tiles in groups of S clusters, {', '.join(map(str, SWIZZLES))} (better L2 "
-                                "reuse on wide GEMMs; S should divide the cluster columns, or the cluster rows "
-                                "with --raster n; default 1)")
+                           help=f"walk tiles in bands of S cluster columns (rows with --raster n), "
+                                f"{', '.join(map(str, SWIZZLES))}: better L2 reuse on wide GEMMs (default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:

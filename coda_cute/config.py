@@ -37,9 +37,9 @@ class KernelConfig:
     tile: tuple[int, int] = (128, 256)
     cluster: tuple[int, int] = (2, 1)
     schedule: str = "cooperative"
-    #: order of the persistent tile scheduler: down M first (or across N), swizzled in groups of
-    #: `swizzle` clusters (CuTe's PersistentTileSchedulerParams); a swizzle that does not divide
-    #: the number of cluster columns (rows, rastering along N) runs the rounded-up tiles empty
+    #: order of the persistent tile scheduler: clusters down M first (or across N); a swizzle
+    #: walks bands of that many cluster columns (rows) side by side instead (the emitted
+    #: kernel's swizzled_tile; the last band is narrower where it does not divide)
     raster_along_m: bool = True
     swizzle: int = 1
     #: mainloop (A/B) stages; 0 = planned: as many as the shared memory left by the epilogue

@@ -33,6 +33,7 @@ CONFIGS = {
     "ab3": KernelConfig(ab_stages=3),  # room for input rings up to a whole tile deep
     "pingpong192": KernelConfig(tile=(128, 192), cluster=(1, 2), schedule="pingpong"),  # the heavy-epilogue default
     "runtime_default": None,  # per program: what Kernel picks for a large problem
+    "runtime_default_swizzle4": None,  # the same, walked in bands of 4 cluster columns (swizzled_tile)
 }
 
 
@@ -49,7 +50,8 @@ def test_library_program_compiles_to_expected_sass(name, config_name, tmp_path):
     config = CONFIGS[config_name]
     if config is None:
         tile, cluster, schedule = runtime_defaults(program)
-        config = KernelConfig(tile=tile, cluster=cluster, schedule=schedule)
+        config = KernelConfig(tile=tile, cluster=cluster, schedule=schedule,
+                              swizzle=4 if config_name.endswith("swizzle4") else 1)
     if config_name == "pingpong192" and name == "qk_rmsnorm":  # 128-column heads do not tile 192 columns
         with pytest.raises(UnsupportedError, match="divide the tile's 192 columns"):
             lower(program, config)
@@ -126,8 +128,45 @@ def test_raster_is_a_bool():
         KernelConfig(raster_along_m="False").check()
 
 
+@pytest.mark.parametrize("raster_along_m", [True, False])
+@pytest.mark.parametrize("cluster", [(1, 2), (2, 1), (1, 1)])
+@pytest.mark.parametrize("swizzle", [2, 4, 8])
+def test_swizzled_tile_walks_every_tile_once_in_bands(raster_along_m, cluster, swizzle):
+    """The emitted swizzled_tile, run on Python ints over the scheduler's whole walk: every tile
+    exactly once, CTAs of a cluster kept together, and bands of `swizzle` cluster columns (rows)
+    walked side by side, the last one narrower when they do not divide the grid."""
+    from coda_cute.compile import import_source
+
+    tile_m, tile_n = 128, 256
+    config = KernelConfig(cluster=cluster, raster_along_m=raster_along_m, swizzle=swizzle)
+    module = import_source(emit(library.get("gemm"), config))
+    for m, n in [(8192, 28672), (700, 1040), (128, 256), (1, 6144), (3000, 512)]:
+        clusters_m = -(-m // (tile_m * cluster[0]))
+        clusters_n = -(-n // (tile_n * cluster[1]))
+        walk = []
+        for linear in range(clusters_m * clusters_n):  # CuTe's unswizzled walk of cluster coordinates
+            if raster_along_m:
+                cm, cn = linear % clusters_m, linear // clusters_m
+            else:
+                cm, cn = linear // clusters_n, linear % clusters_n
+            ctas = [module.swizzled_tile(cm * cluster[0] + i, cn * cluster[1] + j, m, n)
+                    for i in range(cluster[0]) for j in range(cluster[1])]
+            (first_m, first_n), *_ = ctas
+            assert first_m % cluster[0] == 0 and first_n % cluster[1] == 0
+            assert ctas == [(first_m + i, first_n + j) for i in range(cluster[0]) for j in range(cluster[1])]
+            walk.append((first_m // cluster[0], first_n // cluster[1]))
+        assert sorted(walk) == [(i, j) for i in range(clusters_m) for j in range(clusters_n)], (m, n)
+        along, across = (clusters_m, clusters_n) if raster_along_m else (clusters_n, clusters_m)
+        position = [(cn, cm) if raster_along_m else (cm, cn) for cm, cn in walk]  # (across, along) per step
+        for band_start in range(0, across, swizzle):
+            width = min(swizzle, across - band_start)
+            steps = position[band_start * along:(band_start + width) * along]
+            assert {a for a, _ in steps} == set(range(band_start, band_start + width)), "one band, side by side"
+            assert [b for _, b in steps] == [k // width for k in range(width * along)], "down the band together"
+
+
 def test_swizzled_tile_order_compiles(tmp_path):
-    """Raster along N with swizzle 4 (the tile scheduler's other order, generic layout path)."""
+    """Raster along N with swizzle 4: the scheduler's walk regrouped by swizzled_tile."""
     config = KernelConfig(raster_along_m=False, swizzle=4).check()
     compiled = compile_program(library.get("residual_sumsq"), config, keep=("sass",), dump_dir=tmp_path / "dump",
                                source_dir=tmp_path / "src", report=True)

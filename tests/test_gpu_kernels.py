@@ -193,13 +193,22 @@ def test_library_program_deep_input_rings(name, tile, cluster, schedule):
     run_and_compare(_sized(name, 1040), 700, 1040, 136, tile=tile, cluster=cluster, schedule=schedule, ab_stages=3)
 
 
-@pytest.mark.parametrize("raster_along_m,swizzle", [(True, 2), (True, 4), (False, 4)])
-@pytest.mark.parametrize("name", ["gemm", "residual_sumsq", "rmsnorm_bwd"])
-def test_swizzled_tile_order(name, raster_along_m, swizzle):
-    """700 x 1040 in 128x256 tiles, 1x2 clusters: 3 cluster columns and 6 rows, which swizzle 4
-    rounds up to 4 (8), so the scheduler also hands out tiles wholly past N (M): they must write
-    nothing, and no partial."""
-    run_and_compare(_sized(name, 1040), 700, 1040, 136, tile=(128, 256), cluster=(1, 2),
+@pytest.mark.parametrize("name,tile,cluster,schedule,raster_along_m,swizzle", [
+    ("gemm", (128, 256), (1, 2), "cooperative", True, 2),
+    ("gemm", (128, 256), (1, 2), "cooperative", True, 4),
+    ("gemm", (128, 256), (1, 2), "cooperative", False, 4),
+    ("residual_sumsq", (128, 256), (1, 2), "cooperative", True, 4),
+    ("residual_sumsq", (128, 256), (2, 1), "cooperative", False, 4),
+    ("rmsnorm_bwd", (128, 256), (1, 2), "cooperative", True, 4),
+    ("swiglu_bwd", (128, 192), (1, 2), "pingpong", True, 4),
+    ("rope_qkv", (128, 192), (1, 2), "pingpong", True, 2),
+])
+def test_swizzled_tile_order(name, tile, cluster, schedule, raster_along_m, swizzle):
+    """700 x 1040: 6 cluster rows and 3 cluster columns of 128x256 tiles in 1x2 clusters, so
+    swizzle 4 walks one band narrower than 4 (raster N: a band of 4 rows and one of 2) and
+    swizzle 2 a last band of one column; ragged edges on both sides; ping-pong's two
+    warpgroups take alternate tiles of the regrouped walk."""
+    run_and_compare(_sized(name, 1040), 700, 1040, 136, tile=tile, cluster=cluster, schedule=schedule,
                     raster_along_m=raster_along_m, swizzle=swizzle)
 
 
