@@ -20,7 +20,7 @@ INPUT_DTYPES = ("bf16", "f16")
 TILE_SHAPES = ((128, 256), (128, 192), (128, 128), (128, 64), (64, 256), (64, 128))
 CLUSTER_SHAPES = ((1, 1), (2, 1), (1, 2))
 SCHEDULES = ("cooperative", "pingpong")
-#: tile-scheduler swizzles: groups of this many clusters walked across before moving on
+#: tile-order swizzles: bands of this many cluster columns (rows) walked side by side
 SWIZZLES = (1, 2, 4, 8)
 SMEM_BYTES = {"sm_90a": 232448}  # dynamic shared memory per CTA on Hopper (227 KB)
 
