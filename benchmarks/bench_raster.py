@@ -1,14 +1,15 @@
 """How the persistent tile scheduler's order affects our GEMMs at d = 4096 (M = 8192 tokens):
-raster along M or N, swizzle 1/2/4/8 (CuTe DSL's PersistentTileSchedulerParams), default
-tile and cluster otherwise, beside cuBLAS, interleaved, median of 5 repetitions.
+raster along M or N, swizzle 1/2/4/8, default tile and cluster otherwise, beside cuBLAS,
+interleaved, median of 5 repetitions.  Label "M4" = raster along M, swizzle 4.  Plain-GEMM
+outputs are checked against torch first.
 
     python benchmarks/bench_raster.py --out raster.json
 
 `Kernel(program, raster_along_m=..., swizzle=...)` (and `coda-cute emit --raster --swizzle`)
-set the order; the default is raster along M, swizzle 1 (results README).  The 2026-12-03
-results were taken with CuTe's own swizzle, which rounds the cluster grid up to a multiple of
-the swizzle (QKV at M8 ran a third more tiles); the kernels now use swizzled_tile instead.  Label "M4" =
-raster along M, swizzle 4.  Plain-GEMM outputs are checked against torch first.
+set the order; the default is raster along M, swizzle 1 (results README).  The kernels walk a
+swizzle in bands with the emitted `swizzled_tile`; the 2026-12-03 results were taken with CuTe
+DSL's own swizzle (PersistentTileSchedulerParams), which rounds the cluster grid up to a
+multiple of the swizzle (QKV at M8 ran a third more tiles).
 """
 
 import argparse

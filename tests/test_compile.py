@@ -118,7 +118,7 @@ def test_explicit_mainloop_stages_are_taken_exactly_or_refused():
 
 @pytest.mark.parametrize("bad", [3, 16, 0, "4", 4.0, True])
 def test_swizzle_is_one_of_the_schedulers_and_an_int(bad):
-    """It is printed into the emitted source: only the values CuTe's tile scheduler is run with."""
+    """It is printed into the emitted source: only the band widths swizzled_tile is run with."""
     with pytest.raises(UnsupportedError, match="swizzle .*: expected one of 1, 2, 4, 8"):
         KernelConfig(swizzle=bad).check()
 
