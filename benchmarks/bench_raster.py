@@ -6,7 +6,7 @@ outputs are checked against torch first.
     python benchmarks/bench_raster.py --out raster.json
 
 `Kernel(program, raster_along_m=..., swizzle=...)` (and `coda-cute emit --raster --swizzle`)
-set the order; the default is raster along M, swizzle 1 (results README).  The kernels walk a
+set the order; the default is raster along M, swizzle 4 (results README).  The kernels walk a
 swizzle in bands with the emitted `swizzled_tile`; the 2026-12-03 results were taken with CuTe
 DSL's own swizzle (PersistentTileSchedulerParams), which rounds the cluster grid up to a
 multiple of the swizzle (QKV at M8 ran a third more tiles).

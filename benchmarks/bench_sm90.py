@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 import coda_cute as cc
 from coda_cute import library
+from coda_cute.config import DEFAULT_SWIZZLE
 
 SHAPES = {  # hidden d -> (ffn, qkv)
     2048: (8192, 3072),
@@ -115,7 +116,7 @@ def _variants(program):
                                     ((128, 192), (1, 2), "pingpong"), ((128, 192), (2, 1), "pingpong")):
         label = f"{tile[0]}x{tile[1]} c{cluster[0]}x{cluster[1]} {schedule}"
         out.append((label, cc.Kernel(program, tile=tile, cluster=cluster, schedule=schedule)))
-    for swizzle in (2, 4):  # the default tile, walked in groups of clusters along N (L2 reuse of A)
+    for swizzle in (s for s in (1, 2, 4) if s != DEFAULT_SWIZZLE):  # the default tile in another tile order
         out.append((f"default tile, swizzle {swizzle}", cc.Kernel(program, swizzle=swizzle)))
     return out
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from . import __version__
-from .config import CLUSTER_SHAPES, GPUS, SCHEDULES, SWIZZLES, TILE_SHAPES, KernelConfig, parse_pair
+from .config import CLUSTER_SHAPES, DEFAULT_SWIZZLE, GPUS, SCHEDULES, SWIZZLES, TILE_SHAPES, KernelConfig, parse_pair
 from .errors import CodaError, ProgramError, UnsupportedError
 from .lower import CUTE_DTYPES
 from .program import Program, width_str
@@ -290,7 +290,7 @@ def _config(program: Program, args) -> KernelConfig:
         operand_dtypes=parse_operand_dtypes(program, args.operand_dtype),
         table_periods=parse_table_periods(program, getattr(args, "table_period", None)),
         ab_stages=getattr(args, "ab_stages", None) or 0,
-        raster_along_m=_raster_along_m(getattr(args, "raster", "m")), swizzle=getattr(args, "swizzle", 1),
+        raster_along_m=_raster_along_m(getattr(args, "raster", "m")), swizzle=getattr(args, "swizzle", DEFAULT_SWIZZLE),
     ).check()
 
 
@@ -511,9 +511,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, several: bool = False) ->
                                 "(default 0: planned, at least 4 where they fit)")
         group.add_argument("--raster", default="m", metavar="{m,n}",
                            help="order of the persistent tile scheduler: down M first or across N (default m)")
-        group.add_argument("--swizzle", type=int, default=1, metavar="S",
+        group.add_argument("--swizzle", type=int, default=DEFAULT_SWIZZLE, metavar="S",
                            help=f"walk tiles in bands of S cluster columns (rows with --raster n), "
-                                f"{', '.join(map(str, SWIZZLES))}: better L2 reuse on wide GEMMs (default 1)")
+                                f"{', '.join(map(str, SWIZZLES))}; 1 walks whole columns (default {DEFAULT_SWIZZLE})")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,12 +36,11 @@ def emit_command(program: Program, config: KernelConfig) -> str:
     """The CLI line that regenerates this kernel (printed in its header)."""
     parts = [f"coda-cute emit {program.name} --arch {config.arch} --gpu {config.gpu} --dtype {config.dtype}",
              f"--majors {config.majors} --tile {config.tile[0]}x{config.tile[1]}",
-             f"--cluster {config.cluster[0]}x{config.cluster[1]} --schedule {config.schedule}"]
+             f"--cluster {config.cluster[0]}x{config.cluster[1]} --schedule {config.schedule} --swizzle {config.swizzle}"]
     parts += [f"--operand-dtype {name}={dtype}" for name, dtype in config.operand_dtypes if dtype != config.dtype]
     parts += [f"--table-period {name}={period}" for name, period in config.table_periods]
     parts += [f"--ab-stages {config.ab_stages}"] if config.ab_stages else []
     parts += [] if config.raster_along_m else ["--raster n"]
-    parts += [f"--swizzle {config.swizzle}"] if config.swizzle != 1 else []
     return " ".join(parts)
 
 

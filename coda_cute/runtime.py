@@ -21,7 +21,7 @@ import torch
 
 from . import reference
 from .arguments import Problem, bind, short_dtype
-from .config import GPUS, KernelConfig
+from .config import DEFAULT_SWIZZLE, GPUS, KernelConfig
 from .errors import ArgumentError, UnsupportedError
 from .program import Program, width_str
 
@@ -42,7 +42,7 @@ class Kernel:
 
     def __init__(self, program: Program, *, tile: tuple[int, int] | None = None,
                  cluster: tuple[int, int] | None = None, schedule: str | None = None, gpu: str | None = None,
-                 ab_stages: int = 0, raster_along_m: bool = True, swizzle: int = 1):
+                 ab_stages: int = 0, raster_along_m: bool = True, swizzle: int = DEFAULT_SWIZZLE):
         self.program = program
         self.tile, self.cluster, self.schedule, self.gpu = tile, cluster, schedule, gpu
         self.ab_stages = ab_stages  # mainloop stages; 0: planned from the shared memory (KernelConfig)

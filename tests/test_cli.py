@@ -80,7 +80,8 @@ def test_show_prints_the_program_listing(capsys):
     ("swiglu", ["--gpu", "H100", "--dtype", "f16", "--majors", "mn", "--tile", "128x128", "--cluster", "1x2"]),
     ("residual_sumsq", ["--tile", "64x256", "--cluster", "1x1", "--operand-dtype", "residual=f32"]),
     ("residual_sumsq", ["--ab-stages", "3"]),  # the residual ring then holds the whole tile
-    ("gemm", ["--raster", "n", "--swizzle", "4"]),
+    ("gemm", ["--raster", "n", "--swizzle", "8"]),
+    ("gemm", ["--swizzle", "1"]),  # CuTe's walk as it is, no swizzled_tile
     ("rms_scale_gamma", ["--tile", "64x256", "--schedule", "pingpong", "--operand-dtype", "rstd=f32",
                          "--operand-dtype", "gamma=bf16"]),
 ])
@@ -119,7 +120,7 @@ def test_emit_writes_a_python_file(capsys, tmp_path):
     assert "coda-cute kernel `swiglu`" in source
     assert header_command(source) == shlex.split(
         "coda-cute emit swiglu --arch sm_90a --gpu H200 --dtype bf16 --majors kk --tile 128x128 --cluster 1x2 "
-        "--schedule cooperative")
+        "--schedule cooperative --swizzle 4")
 
 
 @pytest.mark.parametrize("name,flags,want", [

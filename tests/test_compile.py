@@ -7,7 +7,7 @@ import pytest
 from coda_cute import library
 from coda_cute.cli import runtime_defaults
 from coda_cute.compile import compile_program
-from coda_cute.config import KernelConfig
+from coda_cute.config import DEFAULT_SWIZZLE, KernelConfig
 from coda_cute.errors import UnsupportedError
 from coda_cute.lower import lower
 from coda_cute.render import emit
@@ -33,7 +33,7 @@ CONFIGS = {
     "ab3": KernelConfig(ab_stages=3),  # room for input rings up to a whole tile deep
     "pingpong192": KernelConfig(tile=(128, 192), cluster=(1, 2), schedule="pingpong"),  # the heavy-epilogue default
     "runtime_default": None,  # per program: what Kernel picks for a large problem
-    "runtime_default_swizzle4": None,  # the same, walked in bands of 4 cluster columns (swizzled_tile)
+    "runtime_default_unswizzled": None,  # the same, walked in whole cluster columns (no swizzled_tile)
 }
 
 
@@ -50,8 +50,8 @@ def test_library_program_compiles_to_expected_sass(name, config_name, tmp_path):
     config = CONFIGS[config_name]
     if config is None:
         tile, cluster, schedule = runtime_defaults(program)
-        config = KernelConfig(tile=tile, cluster=cluster, schedule=schedule,
-                              swizzle=4 if config_name.endswith("swizzle4") else 1)
+        config = KernelConfig(tile=tile, cluster=cluster, schedule=schedule)
+        config = config.with_(swizzle=1) if config_name.endswith("unswizzled") else config
     if config_name == "pingpong192" and name == "qk_rmsnorm":  # 128-column heads do not tile 192 columns
         with pytest.raises(UnsupportedError, match="divide the tile's 192 columns"):
             lower(program, config)
@@ -163,6 +163,13 @@ def test_swizzled_tile_walks_every_tile_once_in_bands(raster_along_m, cluster, s
             steps = position[band_start * along:(band_start + width) * along]
             assert {a for a, _ in steps} == set(range(band_start, band_start + width)), "one band, side by side"
             assert [b for _, b in steps] == [k // width for k in range(width * along)], "down the band together"
+
+
+@pytest.mark.parametrize("swizzle", [1, DEFAULT_SWIZZLE])
+def test_swizzled_tile_is_emitted_only_for_a_swizzle(swizzle):
+    source = emit(library.get("gemm"), KernelConfig(swizzle=swizzle).check())
+    assert ("def swizzled_tile(" in source) == (swizzle > 1)
+    assert source.count("swizzled_tile(tile_m, tile_n, M, N)") == (3 if swizzle > 1 else 0), "one per role loop"
 
 
 def test_swizzled_tile_order_compiles(tmp_path):

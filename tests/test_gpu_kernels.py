@@ -194,20 +194,22 @@ def test_library_program_deep_input_rings(name, tile, cluster, schedule):
 
 
 @pytest.mark.parametrize("name,tile,cluster,schedule,raster_along_m,swizzle", [
+    ("gemm", (128, 256), (1, 2), "cooperative", True, 1),
     ("gemm", (128, 256), (1, 2), "cooperative", True, 2),
     ("gemm", (128, 256), (1, 2), "cooperative", True, 4),
     ("gemm", (128, 256), (1, 2), "cooperative", False, 4),
     ("residual_sumsq", (128, 256), (1, 2), "cooperative", True, 4),
     ("residual_sumsq", (128, 256), (2, 1), "cooperative", False, 4),
     ("rmsnorm_bwd", (128, 256), (1, 2), "cooperative", True, 4),
+    ("swiglu_bwd", (128, 192), (1, 2), "pingpong", True, 1),
     ("swiglu_bwd", (128, 192), (1, 2), "pingpong", True, 4),
     ("rope_qkv", (128, 192), (1, 2), "pingpong", True, 2),
 ])
 def test_swizzled_tile_order(name, tile, cluster, schedule, raster_along_m, swizzle):
     """700 x 1040: 6 cluster rows and 3 cluster columns of 128x256 tiles in 1x2 clusters, so
     swizzle 4 walks one band narrower than 4 (raster N: a band of 4 rows and one of 2) and
-    swizzle 2 a last band of one column; ragged edges on both sides; ping-pong's two
-    warpgroups take alternate tiles of the regrouped walk."""
+    swizzle 2 a last band of one column (swizzle 1: CuTe's walk as it is); ragged edges on both
+    sides; ping-pong's two warpgroups take alternate tiles of the regrouped walk."""
     run_and_compare(_sized(name, 1040), 700, 1040, 136, tile=tile, cluster=cluster, schedule=schedule,
                     raster_along_m=raster_along_m, swizzle=swizzle)
 

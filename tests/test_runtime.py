@@ -9,7 +9,7 @@ import torch
 import coda_cute as cc
 from coda_cute import library, reference
 from coda_cute.arguments import bind
-from coda_cute.config import KernelConfig
+from coda_cute.config import DEFAULT_SWIZZLE, KernelConfig
 from coda_cute.errors import UnsupportedError
 from coda_cute.runtime import CallPlan, Kernel, _signature
 
@@ -107,7 +107,8 @@ def test_kernel_passes_the_tile_order_and_checks_it():
     a, b = torch.randn(256, 64, dtype=torch.bfloat16), torch.randn(512, 64, dtype=torch.bfloat16)
     problem = bind(program, a, b, {})
     assert Kernel(program, gpu="H200").config_for(problem).key() != \
-        Kernel(program, gpu="H200", swizzle=4).config_for(problem).key(), "the tile order is part of the cache key"
+        Kernel(program, gpu="H200", swizzle=1).config_for(problem).key(), "the tile order is part of the cache key"
+    assert Kernel(program, gpu="H200").config_for(problem).swizzle == DEFAULT_SWIZZLE
     config = Kernel(program, gpu="H200", raster_along_m=False, swizzle=4).config_for(problem)
     assert (config.raster_along_m, config.swizzle) == (False, 4)
     assert config.describe().endswith("raster along N, swizzle 4")
