@@ -50,7 +50,7 @@ case $step in
     python benchmarks/bench_sm90.py --d 4096 --variants "$@" --out "$out/variants-d4096.json" ;;
   block)
     python benchmarks/bench_block.py --d "${@:-4096}" --compile-modes ${MODES:-default} \
-      ${CASES:+--cases $CASES} --out "$out/block${CASES:+-$CASES}.json" ;;
+      ${CASES:+--cases $CASES} --out "$out/block${CASES:+-$(echo $CASES | tr " " -)}.json" ;;
   sanitize)
     python tests/gpu_sanitize.py > "$out/sanitize-warm.log" 2>&1 || { tail -n 20 "$out/sanitize-warm.log"; exit 1; }
     for tool in memcheck racecheck; do
