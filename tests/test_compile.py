@@ -135,11 +135,15 @@ def test_swizzled_tile_walks_every_tile_once_in_bands(raster_along_m, cluster, s
     """The emitted swizzled_tile, run on Python ints over the scheduler's whole walk: every tile
     exactly once, CTAs of a cluster kept together, and bands of `swizzle` cluster columns (rows)
     walked side by side, the last one narrower when they do not divide the grid."""
+    from types import SimpleNamespace
+
     from coda_cute.compile import import_source
 
     tile_m, tile_n = 128, 256
     config = KernelConfig(cluster=cluster, raster_along_m=raster_along_m, swizzle=swizzle)
     module = import_source(emit(library.get("gemm"), config))
+    # the DSL's min and select_ on Python ints (select_ takes only traced conditions)
+    module.cutlass = SimpleNamespace(min=min, select_=lambda cond, a, b: a if cond else b)
     for m, n in [(8192, 28672), (700, 1040), (128, 256), (1, 6144), (3000, 512)]:
         clusters_m = -(-m // (tile_m * cluster[0]))
         clusters_n = -(-n // (tile_n * cluster[1]))
