@@ -4,7 +4,8 @@ fused vs PyTorch.
     python benchmarks/bench_block.py [--d 4096] [--tokens 8192] [--reps 5] [--vocab 128256] [--out block.json]
                                      [--profile]
 
-Contenders, interleaved in one process: coda-cute's LlamaMLP / LlamaBlock; the same math in
+Contenders, interleaved in one process: coda-cute's LlamaMLP / LlamaBlock /
+linear_cross_entropy (logits recomputed in backward, and with save_logits=True); the same math in
 plain PyTorch (eager) and under torch.compile (dynamic=False); cuBLAS GEMMs alone (the
 floor: the block's forward and backward GEMMs with nothing else).  Times include every
 kernel a step needs (gamma refold, statistics, finishing partials, elementwise passes).
@@ -65,8 +66,8 @@ def main():
     parser.add_argument("--out", default="block.json")
     parser.add_argument("--compile-modes", nargs="+", default=["default"],
                         help="torch.compile modes to time (default, max-autotune-no-cudagraphs)")
-    parser.add_argument("--cases", nargs="+", choices=["MLP", "block", "LM head"],
-                        help="only these cases (default: all)")
+    parser.add_argument("--cases", nargs="+", choices=["MLP", "block", "LM"],
+                        help="only these cases (LM: the LM head + cross-entropy; default: all)")
     parser.add_argument("--profile", action="store_true",
                         help="also print each contender's kernels (torch.profiler, one step, by GPU time)")
     args = parser.parse_args()
@@ -115,7 +116,7 @@ def main():
             "block": {"coda-cute": lambda: _step(block, h, grad), "torch eager": lambda: _step(block_eager, h, grad),
                       **compiled(block_eager, lambda c, x: _step(c, x, grad))},
         }
-        if args.vocab and (not args.cases or "LM head" in args.cases):  # a 1-4 GB weight: only when timed
+        if args.vocab and (not args.cases or "LM" in args.cases):  # a 1-4 GB weight: only when timed
             w_head = (torch.randn(args.vocab, d, device="cuda") * d ** -0.5).bfloat16().requires_grad_()
             target = torch.randint(0, args.vocab, (batch, args.seq), device="cuda")
 
@@ -129,6 +130,8 @@ def main():
 
             cases["LM head + cross-entropy"] = {
                 "coda-cute": lambda: _loss_step(lambda x: linear_cross_entropy(x, w_head, target), h),
+                "coda-cute, saved logits": lambda: _loss_step(
+                    lambda x: linear_cross_entropy(x, w_head, target, save_logits=True), h),
                 "torch eager": lambda: _loss_step(head_eager, h),
                 **compiled(head_eager, _loss_step),
                 "cuBLAS GEMMs alone": head_gemms,
@@ -136,7 +139,8 @@ def main():
         for name, contenders in cases.items():
             if args.cases and not any(name.startswith(c) for c in args.cases):
                 continue
-            _check(name, contenders["coda-cute"], contenders["torch eager"], h)
+            for ours in (k for k in contenders if k.startswith("coda-cute")):
+                _check(f"{name} ({ours})", contenders[ours], contenders["torch eager"], h)
             for f in contenders.values():
                 f()  # compile / warm up
             times = {k: [] for k in contenders}

@@ -10,7 +10,7 @@
 #                                                    # choices (those whose label contains LABEL)
 #   bash benchmarks/h200_run.sh block [D ...]  # Llama MLP and block, forward + backward
 #                                             # (MODES="default max-autotune-no-cudagraphs": torch.compile
-#                                             # modes; CASES="MLP block": only those cases)
+#                                             # modes; CASES="MLP block LM": only those cases)
 #   bash benchmarks/h200_run.sh sanitize  # compute-sanitizer memcheck + racecheck over the library
 #
 # Results and logs go to $OUT (the device tool's output folder) or ./h200-out. With the

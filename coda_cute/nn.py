@@ -82,7 +82,8 @@ def _heads(w: torch.Tensor, head_dim: int) -> int:
 
 # registered at import, so torch.compile traces straight to the ops (no file access while tracing)
 _OPS = {name: library_op(library.get(name))
-        for name in ("rms_swiglu_save", "residual_sumsq", "swiglu_bwd_recompute", "rmsnorm_bwd_residual", "cross_entropy_stats", "cross_entropy_bwd")}
+        for name in ("rms_swiglu_save", "residual_sumsq", "swiglu_bwd_recompute", "rmsnorm_bwd_residual", "cross_entropy_stats",
+                     "cross_entropy_stats_save", "cross_entropy_bwd")}
 
 
 class _LlamaMLPFunction(torch.autograd.Function):
@@ -343,16 +344,19 @@ class LlamaBlock(nn.Module):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, target, ignore_index, reduction):
+    def forward(ctx, h, weight, target, ignore_index, reduction, save_logits):
         h2, t = h.reshape(-1, h.shape[-1]), target.reshape(-1)
         valid = t != ignore_index
         torch._assert_async(((t >= 0) & (t < weight.shape[0]) | ~valid).all(),
                             "linear_cross_entropy: a target is outside [0, vocab) and not ignore_index")
         t_float = torch.where(valid, t, -1).float()  # class index as the programs read it; -1 matches no column
-        lse, target_logit = _OPS["cross_entropy_stats"](h2, weight, t_float)
+        if save_logits:
+            logits, lse, target_logit = _OPS["cross_entropy_stats_save"](h2, weight, t_float)
+        else:
+            (lse, target_logit), logits = _OPS["cross_entropy_stats"](h2, weight, t_float), None
         per_row = torch.where(valid, lse - target_logit, 0.0)
         count = valid.sum()
-        ctx.save_for_backward(h2, weight, t_float, lse, valid, count)
+        ctx.save_for_backward(h2, weight, t_float, lse, valid, count, logits)
         ctx.reduction, ctx.shape = reduction, (h.shape, target.shape)
         if reduction == "none":
             return per_row.reshape(target.shape)
@@ -360,41 +364,79 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss):
-        h2, weight, t_float, lse, valid, count = ctx.saved_tensors
+        h2, weight, t_float, lse, valid, count, logits = ctx.saved_tensors
         if ctx.reduction == "none":
             per_row = dloss.reshape(-1).float()
         else:
             per_row = dloss.float().expand(valid.shape) / (count.clamp_min(1) if ctx.reduction == "mean" else 1)
         per_row = torch.where(valid, per_row, 0.0)
-        dlogits = _OPS["cross_entropy_bwd"](h2, weight, lse, t_float, per_row)  # (tokens, vocab), input dtype
+        if logits is None:  # the logits GEMM again, d logits in its epilogue
+            dlogits = _OPS["cross_entropy_bwd"](h2, weight, lse, t_float, per_row)  # (tokens, vocab), input dtype
+        else:
+            dlogits = _cross_entropy_grad_pass(logits)(logits, lse, t_float, per_row)
         dh = dlogits @ weight  # plain GEMMs: cuBLAS (module docstring)
         dw = dlogits.t() @ h2
-        return dh.reshape(ctx.shape[0]), dw, None, None, None
+        return dh.reshape(ctx.shape[0]), dw, None, None, None, None
+
+
+def cross_entropy_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
+                       dloss: torch.Tensor) -> torch.Tensor:
+    """d logits of cross-entropy from stored logits, the math of the `cross_entropy_bwd` epilogue:
+    (exp(logits - lse) - onehot(target)) * dloss per row, in the logits' dtype.  ``target`` is the
+    class index as a float (-1: none), ``lse`` and ``dloss`` are fp32 per row."""
+    prob = torch.exp(logits.float() - lse[:, None])
+    cols = torch.arange(logits.shape[1], device=logits.device, dtype=torch.float32)
+    return (torch.where(cols == target[:, None], prob - 1.0, prob) * dloss[:, None]).to(logits.dtype)
+
+
+_COMPILED_GRAD = None
+
+
+def _cross_entropy_grad_pass(logits: torch.Tensor):
+    """`cross_entropy_grad` as one pass over the logits on the GPU: torch.compile fuses it into a
+    single kernel (one read, one write), where plain torch would take ~6 passes.  Under an outer
+    torch.compile, and on the CPU, the plain function (the outer compile fuses it itself)."""
+    global _COMPILED_GRAD
+    if not logits.is_cuda or torch.compiler.is_compiling():
+        return cross_entropy_grad
+    if _COMPILED_GRAD is None:
+        _COMPILED_GRAD = torch.compile(cross_entropy_grad)
+    return _COMPILED_GRAD
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                         ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
-    """``F.cross_entropy(h @ weight.T, target)`` without materializing the logits in the forward pass.
+                         ignore_index: int = -100, reduction: str = "mean", save_logits: bool = False) -> torch.Tensor:
+    """``F.cross_entropy(h @ weight.T, target)`` with the cross-entropy in the logits GEMM's epilogue.
 
     Forward: one GEMM whose epilogue keeps per-row log-sum-exp and target-logit partials
-    (`cross_entropy_stats`).  Backward: the logits GEMM again, its epilogue writing
-    d logits = (softmax - onehot) * dloss (`cross_entropy_bwd`), then two plain GEMMs for dh and
-    d weight.  ``h`` is (..., d), ``weight`` (vocab, d), ``target`` integer class indices of
-    h's leading shape; ``reduction`` is "mean" (over non-ignored targets), "sum" or "none".
-    On the GPU the vocabulary and d must be multiples of 8 (TMA rows of 16 bytes).
+    (`cross_entropy_stats`); the logits never reach memory.  Backward: the logits GEMM again, its
+    epilogue writing d logits = (softmax - onehot) * dloss (`cross_entropy_bwd`), then two plain
+    GEMMs for dh and d weight.
+
+    ``save_logits=True`` trades memory for that fourth GEMM: the forward's epilogue also stores
+    the logits (`cross_entropy_stats_save`; tokens x vocab in the input dtype, 2.1 GB for 8192
+    tokens at vocab 128256, held until the backward, as torch's own cross-entropy holds them), and
+    the backward turns them into d logits in one fused elementwise pass (`cross_entropy_grad`,
+    through torch.compile on the GPU).  The statistics are then those of the stored, rounded logits.
+
+    ``h`` is (..., d), ``weight`` (vocab, d), ``target`` integer class indices of h's leading
+    shape; ``reduction`` is "mean" (over non-ignored targets), "sum" or "none".  On the GPU the
+    vocabulary and d must be multiples of 8 (TMA rows of 16 bytes).
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not isinstance(save_logits, bool):
+        raise ArgumentError(f"save_logits must be True or False, got {save_logits!r}")
     if target.shape != h.shape[:-1] or target.dtype.is_floating_point or target.dtype == torch.bool:
         raise ArgumentError(f"target must be integer class indices of shape {tuple(h.shape[:-1])} (h's leading "
                             f"dims), got {target.dtype} {tuple(target.shape)}")
     if weight.dim() != 2 or weight.shape[1] != h.shape[-1]:
         raise ArgumentError(f"weight must be (vocab, {h.shape[-1]}) for h of width {h.shape[-1]}, "
                             f"got {tuple(weight.shape)}")
-    if h.is_cuda and weight.shape[0] % 8:  # the backward's d logits rows are stored with TMA
+    if h.is_cuda and weight.shape[0] % 8:  # d logits (or the saved logits) rows are stored with TMA
         raise ArgumentError(f"linear_cross_entropy on the GPU needs a vocabulary that is a multiple of 8, got "
                             f"{weight.shape[0]} (pad the head with rows whose targets never occur)")
-    return _LinearCrossEntropy.apply(h, weight, target, ignore_index, reduction)
+    return _LinearCrossEntropy.apply(h, weight, target, ignore_index, reduction, save_logits)
 
 
 def rms_norm_reference(h, gamma, eps):

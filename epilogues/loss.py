@@ -1,4 +1,5 @@
-"""LM head + cross-entropy statistics without storing the logits."""
+"""LM head + cross-entropy: statistics of the logits in the logits GEMM's epilogue, and the
+gradient of the logits, either from a recomputed GEMM or from logits stored by the forward."""
 
 import coda_cute as cc
 
@@ -12,6 +13,21 @@ def cross_entropy_stats(acc, target: cc.RowVec):
     return {
         "lse": cc.row_logsumexp(acc),
         "target_logit": cc.row_sum(cc.where(acc.col == target, acc, 0.0)),
+    }
+
+
+@cc.epilogue
+def cross_entropy_stats_save(acc, target: cc.RowVec):
+    """As cross_entropy_stats, and also store the logits (input dtype) for the backward pass.
+
+    The statistics are taken of the stored, rounded logits, so exp(logits - lse) over a stored
+    row sums to 1, as it does for torch's cross-entropy of bf16 logits.
+    """
+    logits = acc.to(cc.input_dtype)
+    return {
+        "logits": logits,
+        "lse": cc.row_logsumexp(logits),
+        "target_logit": cc.row_sum(cc.where(acc.col == target, logits, 0.0)),
     }
 
 

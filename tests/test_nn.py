@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import coda_cute as cc
+from coda_cute import library
 from coda_cute.nn import (
-    LlamaAttention, LlamaBlock, LlamaMLP, interleave_gate_up, interleaved_to_rotate_half, linear_cross_entropy,
+    LlamaAttention, LlamaBlock, LlamaMLP, cross_entropy_grad, interleave_gate_up, interleaved_to_rotate_half, linear_cross_entropy,
     llama_attention_reference, llama_mlp_reference, rotate_half_to_interleaved, split_gate_up,
 )
 
@@ -152,13 +153,14 @@ def test_block_round_trips_hugging_face_weights_and_runs(gen):
 
 
 # --------------------------------------------------------------------------- LM head + cross-entropy
+@pytest.mark.parametrize("save_logits", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_linear_cross_entropy_matches_autograd(reduction, gen):
+def test_linear_cross_entropy_matches_autograd(reduction, save_logits, gen):
     h = torch.randn(2, 7, 16, generator=gen, dtype=torch.float64).requires_grad_()
     w = (torch.randn(40, 16, generator=gen, dtype=torch.float64) * 0.5).requires_grad_()
     target = torch.randint(0, 40, (2, 7), generator=gen)
     target[0, 3] = target[1, 0] = -100  # ignored: no loss, no gradient
-    loss = linear_cross_entropy(h.float(), w.float(), target, reduction=reduction)
+    loss = linear_cross_entropy(h.float(), w.float(), target, reduction=reduction, save_logits=save_logits)
     h_ref, w_ref = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     ref = torch.nn.functional.cross_entropy((h_ref @ w_ref.t()).reshape(-1, 40), target.reshape(-1),
                                             reduction=reduction)
@@ -172,6 +174,34 @@ def test_linear_cross_entropy_matches_autograd(reduction, gen):
     torch.testing.assert_close(h.grad[0, 3], torch.zeros(16, dtype=torch.float64))  # ignored row
 
 
+@pytest.mark.parametrize("save_logits", [False, True])
+def test_linear_cross_entropy_backward_takes_the_path_asked_for(save_logits, gen, monkeypatch):
+    """Saved logits: no second logits GEMM in backward (cross_entropy_bwd never runs), the forward
+    stores them instead; recomputed: the other way round."""
+    import coda_cute.nn as ccnn
+
+    ran = []
+    for name in ("cross_entropy_stats", "cross_entropy_stats_save", "cross_entropy_bwd"):
+        op = ccnn._OPS[name]
+        monkeypatch.setitem(ccnn._OPS, name, lambda *args, _op=op, _name=name: ran.append(_name) or _op(*args))
+    h = torch.randn(5, 16, generator=gen).requires_grad_()
+    linear_cross_entropy(h, torch.randn(24, 16, generator=gen), torch.randint(0, 24, (5,), generator=gen),
+                         save_logits=save_logits).backward()
+    want = ["cross_entropy_stats_save"] if save_logits else ["cross_entropy_stats", "cross_entropy_bwd"]
+    assert ran == want and h.grad is not None
+
+
+def test_cross_entropy_grad_is_the_cross_entropy_bwd_program(gen):
+    """The saved-logits backward pass and the recomputing epilogue compute the same d logits."""
+    h, w = torch.randn(37, 16, generator=gen), torch.randn(40, 16, generator=gen)
+    target = torch.randint(-1, 40, (37,), generator=gen).float()  # -1: an ignored row (no onehot)
+    logits = h @ w.t()
+    lse, dloss = torch.logsumexp(logits, 1), torch.randn(37, generator=gen)
+    want = cc.evaluate(library.get("cross_entropy_bwd"), h, w, {"lse": lse, "target": target, "dloss": dloss})
+    torch.testing.assert_close(cross_entropy_grad(logits, lse, target, dloss), want.outputs["D"],
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_linear_cross_entropy_rejects_bad_arguments():
     h, w = torch.randn(4, 16), torch.randn(40, 16)
     with pytest.raises(cc.ArgumentError, match=r"target must be integer class indices of shape \(4,\)"):
@@ -182,14 +212,22 @@ def test_linear_cross_entropy_rejects_bad_arguments():
         linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), reduction="avg")
     with pytest.raises(RuntimeError, match="outside"):
         linear_cross_entropy(h, w, torch.full((4,), 40))
+    with pytest.raises(cc.ArgumentError, match="save_logits must be True or False, got 'yes'"):
+        linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), save_logits="yes")
 
 
-def test_linear_cross_entropy_compiles_with_fullgraph(gen):
-    h, w = torch.randn(6, 16, generator=gen), torch.randn(40, 16, generator=gen)
+@pytest.mark.parametrize("save_logits", [False, True])
+def test_linear_cross_entropy_compiles_with_fullgraph(save_logits, gen):
+    h, w = torch.randn(6, 16, generator=gen).requires_grad_(), torch.randn(40, 16, generator=gen)
     target = torch.randint(0, 40, (6,), generator=gen)
-    compiled = torch.compile(linear_cross_entropy, fullgraph=True)
-    torch.testing.assert_close(compiled(h, w, target), torch.nn.functional.cross_entropy(h @ w.t(), target),
-                               rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(lambda *args: linear_cross_entropy(*args, save_logits=save_logits), fullgraph=True)
+    loss = compiled(h, w, target)
+    loss.backward()
+    h_ref = h.detach().clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(h_ref @ w.t(), target)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("tokens", [6, 40])  # fewer tokens than weight rows: gamma goes into h
