@@ -22,7 +22,7 @@ backward (dh_out)
   8. dW_gate_up = dz.T @ x, and dh = D - h * rstd^2 * rowdot / d (one elementwise pass).
 
 GEMMs with nothing to fuse (weight gradients, the O projection's dgrad) call cuBLAS
-through ``torch.matmul``: coda-cute's own plain GEMM runs at 0.95-0.97x cuBLAS on the H200
+through ``torch.matmul``: coda-cute's own plain GEMM runs at 0.97-1.01x cuBLAS on the H200
 (benchmarks/results), so the fused programs are used exactly where they remove memory traffic.
 
 ``LlamaAttention`` does the same for the attention half: `rms_rope_qkv` (norm scale and
