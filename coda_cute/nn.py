@@ -373,20 +373,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if logits is None:  # the logits GEMM again, d logits in its epilogue
             dlogits = _OPS["cross_entropy_bwd"](h2, weight, lse, t_float, per_row)  # (tokens, vocab), input dtype
         else:
-            dlogits = _cross_entropy_grad_pass(logits)(logits, lse, t_float, per_row)
+            # in place: the logits' memory (tokens x vocab) becomes their gradient's
+            dlogits = _cross_entropy_grad_pass(logits)(logits, lse, t_float, per_row, out=logits)
         dh = dlogits @ weight  # plain GEMMs: cuBLAS (module docstring)
         dw = dlogits.t() @ h2
         return dh.reshape(ctx.shape[0]), dw, None, None, None, None
 
 
-def cross_entropy_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
-                       dloss: torch.Tensor) -> torch.Tensor:
+def cross_entropy_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, dloss: torch.Tensor,
+                       *, out: torch.Tensor | None = None) -> torch.Tensor:
     """d logits of cross-entropy from stored logits, the math of the `cross_entropy_bwd` epilogue:
     (exp(logits - lse) - onehot(target)) * dloss per row, in the logits' dtype.  ``target`` is the
-    class index as a float (-1: none), ``lse`` and ``dloss`` are fp32 per row."""
+    class index as a float (-1: none), ``lse`` and ``dloss`` are fp32 per row.  ``out=logits``
+    writes the gradient over the logits (torch.compile keeps that one pass, in place)."""
     prob = torch.exp(logits.float() - lse[:, None])
     cols = torch.arange(logits.shape[1], device=logits.device, dtype=torch.float32)
-    return (torch.where(cols == target[:, None], prob - 1.0, prob) * dloss[:, None]).to(logits.dtype)
+    grad = torch.where(cols == target[:, None], prob - 1.0, prob) * dloss[:, None]
+    return grad.to(logits.dtype) if out is None else out.copy_(grad)
 
 
 _COMPILED_GRAD = None
@@ -416,8 +419,10 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
     ``save_logits=True`` trades memory for that fourth GEMM: the forward's epilogue also stores
     the logits (`cross_entropy_stats_save`; tokens x vocab in the input dtype, 2.1 GB for 8192
     tokens at vocab 128256, held until the backward, as torch's own cross-entropy holds them), and
-    the backward turns them into d logits in one fused elementwise pass (`cross_entropy_grad`,
-    through torch.compile on the GPU).  The statistics are then those of the stored, rounded logits.
+    the backward turns them into d logits in one fused elementwise pass over the same memory
+    (`cross_entropy_grad`, through torch.compile on the GPU), so its backward runs once: a second
+    backward through the same graph (retain_graph=True) raises PyTorch's error about a saved
+    tensor modified in place.  The statistics are those of the stored, rounded logits.
 
     ``h`` is (..., d), ``weight`` (vocab, d), ``target`` integer class indices of h's leading
     shape; ``reduction`` is "mean" (over non-ignored targets), "sum" or "none".  On the GPU the

@@ -200,6 +200,19 @@ def test_cross_entropy_grad_is_the_cross_entropy_bwd_program(gen):
     want = cc.evaluate(library.get("cross_entropy_bwd"), h, w, {"lse": lse, "target": target, "dloss": dloss})
     torch.testing.assert_close(cross_entropy_grad(logits, lse, target, dloss), want.outputs["D"],
                                rtol=1e-5, atol=1e-6)
+    assert cross_entropy_grad(logits, lse, target, dloss, out=logits) is logits  # in place, as nn runs it
+    torch.testing.assert_close(logits, want.outputs["D"], rtol=1e-5, atol=1e-6)
+
+
+def test_saved_logits_become_their_gradient_so_a_second_backward_is_refused(gen):
+    """The backward writes d logits over the saved logits: a second backward through the same
+    graph gets PyTorch's own error, never gradients from overwritten logits."""
+    h = torch.randn(5, 16, generator=gen).requires_grad_()
+    loss = linear_cross_entropy(h, torch.randn(24, 16, generator=gen), torch.randint(0, 24, (5,), generator=gen),
+                                save_logits=True)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 def test_linear_cross_entropy_rejects_bad_arguments():
