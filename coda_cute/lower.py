@@ -420,16 +420,23 @@ class _Body:
     def emit(self, node: Node) -> None:
         lanes = self.values(node)
         count = NUM_LANES[node.width]
-        if node.op == "const" or (node.op in ("acc", "pair", "interleave") and not node.hint):
+        read_once = node.op == "acc" and self._reads(node) > 1  # one register-tensor read, not one per use
+        if node.op == "const" or (node.op in ("acc", "pair", "interleave") and not node.hint and not read_once):
             self.lanes[id(node)] = lanes  # literals and lane renames need no code
             return
         base = node.hint or (node.attrs[0] if node.op == "load" else f"{node.op.rstrip('_')}{len(self.taken)}")
+        base = "acc" if read_once and not node.hint else base
         names = [self.name(base if count == 1 else f"{base}_{k}") for k in range(count)]
         comment = f"# {node.hint} = {node.expand()}" if node.hint else f"# {node.expand()}"
         self.lines.append(comment)
         for name, code in zip(names, lanes):
             self.lines.append(f"{name} = {code}")
         self.lanes[id(node)] = names
+
+    def _reads(self, node: Node) -> int:
+        """How many times the body reads ``node``'s lanes: as an argument, or as a stored output."""
+        args = sum(arg is node for other in self.program.nodes for arg in other.args)
+        return args + sum(out.node is node for out in self.program.outputs)
 
     def values(self, node: Node) -> list[str]:
         op, args = node.op, [self.lanes[id(a)] for a in node.args]
@@ -577,11 +584,12 @@ class _Body:
                                   f"{reg}_max.fill(-float(\"inf\"))",
                                   f"{reg}_sum = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)",
                                   f"{reg}_sum.fill(0.0)"]
-            for lane, ok in zip(lanes, valid):
-                self.lines.append(
-                    f"{reg}_max[m_block * 2 + h], {reg}_sum[m_block * 2 + h] = logsumexp_update("
-                    f"{reg}_max[m_block * 2 + h], {reg}_sum[m_block * 2 + h], where({ok}, {lane}, -float(\"inf\")))"
-                )
+            # the running pair is read and written once per column pair, folding in each lane
+            running = f"{reg}_max[m_block * 2 + h], {reg}_sum[m_block * 2 + h]"
+            for k, (lane, ok) in enumerate(zip(lanes, valid)):
+                source = running if k == 0 else "run_max, run_sum"
+                target = running if k == len(lanes) - 1 else "run_max, run_sum"
+                self.lines.append(f"{target} = logsumexp_update({source}, where({ok}, {lane}, -float(\"inf\")))")
             ctx.tile_epilogue += [
                 f"# {out.name}: combine the 4 threads of each row, write this tile's (max, sum of exp)",
                 "for m_block in cutlass.range_constexpr(mma_m):",
@@ -598,9 +606,10 @@ class _Body:
             return
         identity = _IDENTITY[kind]
         ctx.tile_prologue += [f"{reg} = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)", f"{reg}.fill({identity})"]
+        total = f"{reg}[m_block * 2 + h]"  # read and written once per column pair
         for lane, ok in zip(lanes, valid):
-            term = _reduce_term(kind, lane)
-            self.lines.append(f"{reg}[m_block * 2 + h] = {_combine(kind, f'{reg}[m_block * 2 + h]', f'where({ok}, {term}, {identity})')}")
+            total = _combine(kind, total, f"where({ok}, {_reduce_term(kind, lane)}, {identity})")
+        self.lines.append(f"{reg}[m_block * 2 + h] = {total}")
         combine = _combine(kind, "total", "cute.arch.shuffle_sync_bfly(total, offset=offset)")
         ctx.tile_epilogue += [
             f"# {out.name}: combine the 4 threads of each row, write this tile's partial",
