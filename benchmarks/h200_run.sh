@@ -12,13 +12,15 @@
 #                                             # (MODES="default max-autotune-no-cudagraphs": torch.compile
 #                                             # modes; CASES="MLP block LM": only those cases)
 #   bash benchmarks/h200_run.sh sanitize  # compute-sanitizer memcheck + racecheck over the library
+#   bash benchmarks/h200_run.sh profile [D [OP]]  # Nsight Compute: one fused op (a bench_sm90 name's
+#                                                 # start) beside our GEMM and cuBLAS; log in $OUT
 #
 # Results and logs go to $OUT (the device tool's output folder) or ./h200-out. With the
 # carried CuTe DSL bundle, source .device/setup.sh first; set CODA_COMMIT (there is no git
 # there). Each step fits the device tool's 10-minute limit at one d (`ops D default
 # max-autotune-no-cudagraphs` took 2.5-4 minutes per d on 2026-12-03, most of it compiling).
 set -u
-step=${1:?tests, runtime, ops, variants, block or sanitize}
+step=${1:?tests, runtime, ops, variants, block, sanitize or profile}
 shift
 out=${OUT:-h200-out}
 mkdir -p "$out"
@@ -57,7 +59,17 @@ case $step in
       compute-sanitizer --tool "$tool" python tests/gpu_sanitize.py > "$out/sanitize-$tool.log" 2>&1
       echo "$tool: exit $?"; tail -n 3 "$out/sanitize-$tool.log"
     done ;;
+  profile)
+    d=${1:-2048}
+    shift || true
+    op=${*:-O GEMM + residual}
+    ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+      python benchmarks/profile_op.py --d "$d" --op "$op" > "$out/profile-d$d.txt" 2>&1
+    echo "ncu: exit $?"
+    grep -E "^  [a-zA-Z_].*\(|Duration|Stall|Throughput|Issued|Eligible|Registers|profiled" "$out/profile-d$d.txt" \
+      | head -n 120 ;;
   *)
-    echo "unknown step $step: tests, runtime, ops, variants, block or sanitize" >&2
+    echo "unknown step $step: tests, runtime, ops, variants, block, sanitize or profile" >&2
     exit 2 ;;
 esac
