@@ -424,8 +424,8 @@ class _Body:
         if node.op == "const" or (node.op in ("acc", "pair", "interleave") and not node.hint and not read_once):
             self.lanes[id(node)] = lanes  # literals and lane renames need no code
             return
-        base = node.hint or (node.attrs[0] if node.op == "load" else f"{node.op.rstrip('_')}{len(self.taken)}")
-        base = "acc" if read_once and not node.hint else base
+        base = node.hint or ("acc" if node.op == "acc" else node.attrs[0] if node.op == "load"
+                             else f"{node.op.rstrip('_')}{len(self.taken)}")
         names = [self.name(base if count == 1 else f"{base}_{k}") for k in range(count)]
         comment = f"# {node.hint} = {node.expand()}" if node.hint else f"# {node.expand()}"
         self.lines.append(comment)
