@@ -118,6 +118,9 @@ def _variants(program):
         out.append((label, cc.Kernel(program, tile=tile, cluster=cluster, schedule=schedule)))
     for swizzle in (s for s in (1, 2, 4) if s != DEFAULT_SWIZZLE):  # the default tile in another tile order
         out.append((f"default tile, swizzle {swizzle}", cc.Kernel(program, swizzle=swizzle)))
+    # the default tile with its shared memory split otherwise: stores in flight vs mainloop stages
+    out.append(("default tile, output rings 2 deep", cc.Kernel(program, epi_stages=2)))
+    out.append(("default tile, 3 AB stages, output rings 4 deep", cc.Kernel(program, ab_stages=3, epi_stages=4)))
     return out
 
 
@@ -209,6 +212,11 @@ def main():
                     print(f"{name}: quack not timed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             for label, variant in _variants(program) if args.variants is not None else ():
                 if args.variants and not any(v in label for v in args.variants):
+                    continue
+                try:  # a choice that does not fit this program is reported, not timed
+                    variant(a, b, **operands)
+                except cc.UnsupportedError as exc:
+                    print(f"{name}: {label} not timed: {exc}", flush=True)
                     continue
                 contenders[f"coda-cute {label}"] = lambda k=variant: k(a, b, **operands)
             for mode in args.compile_modes:

@@ -6,8 +6,9 @@
 #   bash benchmarks/h200_run.sh ops [D [MODE ...]]  # fused ops vs cuBLAS / eager / torch.compile
 #                                                 # (MODE: default, max-autotune-no-cudagraphs;
 #                                                 # OPS="RoPE bwd": only ops whose name contains a word)
-#   bash benchmarks/h200_run.sh variants [LABEL ...]  # d = 4096 ops with other tile/schedule/stage
-#                                                    # choices (those whose label contains LABEL)
+#   bash benchmarks/h200_run.sh variants [LABEL ...]  # ops with other tile/schedule/stage choices
+#                                                    # (labels containing LABEL; D=2048: another d, 4096
+#                                                    # by default; OPS as for ops)
 #   bash benchmarks/h200_run.sh block [D ...]  # Llama MLP and block, forward + backward
 #                                             # (MODES="default max-autotune-no-cudagraphs": torch.compile
 #                                             # modes; CASES="MLP block LM": only those cases)
@@ -49,7 +50,8 @@ case $step in
     python benchmarks/bench_sm90.py --d "$d" --compile-modes "${@:-default}" ${OPS:+--ops $OPS} \
       --out "$out/ops-d$d${OPS:+-$(echo "$OPS" | tr -c 'A-Za-z0-9\n' _)}.json" ;;
   variants)
-    python benchmarks/bench_sm90.py --d 4096 --variants "$@" --out "$out/variants-d4096.json" ;;
+    python benchmarks/bench_sm90.py --d "${D:-4096}" --variants "$@" ${OPS:+--ops $OPS} \
+      --out "$out/variants-d${D:-4096}${OPS:+-$(echo "$OPS" | tr -c 'A-Za-z0-9\n' _)}.json" ;;
   block)
     python benchmarks/bench_block.py --d "${@:-4096}" --compile-modes ${MODES:-default} \
       ${CASES:+--cases $CASES} --out "$out/block${CASES:+-$(echo $CASES | tr " " -)}.json" ;;

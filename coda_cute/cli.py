@@ -290,6 +290,7 @@ def _config(program: Program, args) -> KernelConfig:
         operand_dtypes=parse_operand_dtypes(program, args.operand_dtype),
         table_periods=parse_table_periods(program, getattr(args, "table_period", None)),
         ab_stages=getattr(args, "ab_stages", None) or 0,
+        epi_stages=getattr(args, "epi_stages", None) or 0, in_stages=getattr(args, "in_stages", None) or 0,
         raster_along_m=_raster_along_m(getattr(args, "raster", "m")), swizzle=getattr(args, "swizzle", DEFAULT_SWIZZLE),
     ).check()
 
@@ -509,6 +510,12 @@ def _add_config_flags(parser: argparse.ArgumentParser, several: bool = False) ->
         group.add_argument("--ab-stages", type=int, default=0, metavar="S",
                            help="mainloop stages, 2..8; fewer leave shared memory for deeper epilogue input rings "
                                 "(default 0: planned, at least 4 where they fit)")
+        group.add_argument("--epi-stages", type=int, default=0, metavar="S",
+                           help="subtiles each epilogue output ring holds (stores in flight), 2..16 dividing the "
+                                "tile's subtile count (default 0: planned)")
+        group.add_argument("--in-stages", type=int, default=0, metavar="S",
+                           help="subtiles each epilogue input ring holds (how far its loads run ahead), 2..16 "
+                                "dividing the tile's subtile count (default 0: planned)")
         group.add_argument("--raster", default="m", metavar="{m,n}",
                            help="order of the persistent tile scheduler: down M first or across N (default m)")
         group.add_argument("--swizzle", type=int, default=DEFAULT_SWIZZLE, metavar="S",

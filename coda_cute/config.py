@@ -48,6 +48,10 @@ class KernelConfig:
     #: holds, aiming for AB_STAGES_WANTED (lower.py); fewer leave room for deeper epilogue input
     #: rings; a count that does not fit is an error
     ab_stages: int = 0
+    #: smem buffers of each epilogue output ring and input ring, subtiles deep; 0 = planned (the
+    #: plan gives the mainloop its stages first); a depth must divide the tile's subtile count
+    epi_stages: int = 0
+    in_stages: int = 0
     operand_dtypes: tuple[tuple[str, str], ...] = field(default=())
     #: Table operands' column periods P, baked in so `col % P` is cheap (unknown: P stays dynamic)
     table_periods: tuple[tuple[str, int], ...] = field(default=())
@@ -77,6 +81,10 @@ class KernelConfig:
             )
         if self.ab_stages and not 2 <= self.ab_stages <= 8:
             raise UnsupportedError(f"ab_stages {self.ab_stages}: expected 2..8 mainloop stages, or 0 for automatic")
+        for name in ("epi_stages", "in_stages"):
+            depth = getattr(self, name)
+            if type(depth) is not int or depth and not 2 <= depth <= 16:
+                raise UnsupportedError(f"{name} {depth!r}: expected 2..16 subtiles, or 0 for planned")
         if type(self.raster_along_m) is not bool:
             raise UnsupportedError(f"raster_along_m {self.raster_along_m!r}: expected True or False")
         if type(self.swizzle) is not int or self.swizzle not in SWIZZLES:
@@ -112,7 +120,8 @@ class KernelConfig:
     def key(self) -> tuple:
         """Hashable identity, in the order the emitted header prints it."""
         return (self.arch, self.gpu, self.dtype, self.majors, tuple(self.tile), tuple(self.cluster),
-                self.schedule, self.raster_along_m, self.swizzle, self.ab_stages, tuple(self.operand_dtypes),
+                self.schedule, self.raster_along_m, self.swizzle, self.ab_stages, self.epi_stages, self.in_stages,
+                tuple(self.operand_dtypes),
                 tuple(self.table_periods))
 
     def describe(self) -> str:
@@ -120,7 +129,9 @@ class KernelConfig:
                 f"tile {self.tile[0]}x{self.tile[1]}, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}"
                 + ("" if self.raster_along_m else ", raster along N")
                 + f", swizzle {self.swizzle}"
-                + (f", {self.ab_stages} mainloop stages" if self.ab_stages else ""))
+                + (f", {self.ab_stages} mainloop stages" if self.ab_stages else "")
+                + (f", output rings {self.epi_stages} deep" if self.epi_stages else "")
+                + (f", input rings {self.in_stages} deep" if self.in_stages else ""))
 
 
 def parse_pair(text: str, what: str) -> tuple[int, int]:

@@ -302,6 +302,8 @@ def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, in
     preferred; programs with wide rings (2N outputs or inputs) take 16 columns when that buys
     mainloop stages.  A ping-pong warpgroup computing 128 rows holds two MMA blocks per thread,
     so its per-subtile registers double: it prefers 16 columns."""
+    if config.in_stages and not any(op.kind == "tile" for op in program.operands):
+        raise UnsupportedError(f"in_stages {config.in_stages}: program {program.name!r} has no tile inputs to load")
     best, best_rank, narrow = None, None, []
     wanted = config.ab_stages or AB_STAGES_WANTED
     choices = EPI_N_CHOICES[::-1] if _mma_blocks(config) > 1 else EPI_N_CHOICES
@@ -322,6 +324,14 @@ def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, in
             best, best_rank = (ctx, *stages), rank
     if best is None and len(narrow) == len(choices):  # no subtile width TMA can move
         raise UnsupportedError(f"{narrow[-1]['label']}: a {narrow[-1]['cols']}-column subtile row is under TMA's 16 bytes")
+    if best is None and (config.epi_stages or config.in_stages):
+        rings = ", ".join(f"{what} rings {depth} subtiles deep" for what, depth in
+                          (("output", config.epi_stages), ("input", config.in_stages)) if depth)
+        raise UnsupportedError(
+            f"program {program.name!r} with tile {config.tile[0]}x{config.tile[1]}: {rings} do not fit beside "
+            f"{config.ab_stages or 2} mainloop stages in {config.arch}'s shared memory, or do not divide the tile's "
+            f"{config.tile[1] // 32} (or {config.tile[1] // 16}) subtiles; choose shallower rings or leave them planned (0)"
+        )
     if best is None and config.ab_stages:
         raise UnsupportedError(
             f"program {program.name!r} with tile {config.tile[0]}x{config.tile[1]}: {config.ab_stages} mainloop stages "
@@ -351,26 +361,31 @@ def smem_bytes(ctx: Context, epi_stages: int, in_stages: int, ab_stages: int) ->
 
 
 def _stages(ctx: Context, config: KernelConfig, wanted: int) -> tuple[int, int, int] | None:
-    """(EPI_STAGES, IN_STAGES, AB_STAGES) for this subtile width, or None when not even 2 + 2 fit.
+    """(EPI_STAGES, IN_STAGES, AB_STAGES) for this subtile width, or None when they do not fit.
 
     Automatic (config.ab_stages 0): input rings as deep as the output rings, 4 over 2, with at
-    least `wanted` mainloop stages (else 2 and whatever remains, at least 2), then as many
-    mainloop stages as the rest holds, up to 8: the plan measured on the H200.  With
+    least `wanted` mainloop stages (else the last choice and whatever remains, at least 2), then
+    as many mainloop stages as the rest holds, up to 8: the plan measured on the H200.  With
     config.ab_stages given, exactly that many mainloop stages (None when they do not fit), and
-    the input rings take the deepest ring (a divisor of the subtile count) that fits beside them."""
+    the input rings take the deepest ring (a divisor of the subtile count) that fits beside them.
+    A ring depth given (config.epi_stages, config.in_stages) is the only choice for its rings;
+    it must divide the subtile count."""
     subtiles = config.tile[1] // ctx.epi_n
     budget = SMEM_BYTES[config.arch]
     ab_bytes = (config.tile[0] + config.tile[1]) * 64 * 2
-    if config.ab_stages and ctx.tile_inputs:
-        pairs = [(epi, deep) for deep in range(subtiles, 1, -1) if subtiles % deep == 0 for epi in (4, 2)]
+    outs = [config.epi_stages] if config.epi_stages else [4, 2]
+    if config.in_stages:
+        pairs = [(epi, config.in_stages) for epi in outs]
+    elif config.ab_stages and ctx.tile_inputs:  # the deepest input ring first
+        pairs = [(epi, deep) for deep in range(subtiles, 1, -1) if subtiles % deep == 0 for epi in outs]
     else:
-        pairs = [(4, 4), (2, 2)]
+        pairs = [(epi, epi) for epi in outs]
     for epi_stages, in_stages in pairs:
-        if subtiles % epi_stages:
+        if subtiles % epi_stages or (ctx.tile_inputs and subtiles % in_stages):
             continue
         room = min((budget - smem_bytes(ctx, epi_stages, in_stages, 0)) // ab_bytes, 8)
         ab_stages = min(room, config.ab_stages) if config.ab_stages else room
-        fallback = not config.ab_stages and (epi_stages, in_stages) == (2, 2) and ab_stages >= 2
+        fallback = not config.ab_stages and (epi_stages, in_stages) == pairs[-1] and ab_stages >= 2
         if ab_stages >= wanted or fallback:
             return epi_stages, in_stages, ab_stages
     return None

@@ -40,6 +40,8 @@ def emit_command(program: Program, config: KernelConfig) -> str:
     parts += [f"--operand-dtype {name}={dtype}" for name, dtype in config.operand_dtypes if dtype != config.dtype]
     parts += [f"--table-period {name}={period}" for name, period in config.table_periods]
     parts += [f"--ab-stages {config.ab_stages}"] if config.ab_stages else []
+    parts += [f"--epi-stages {config.epi_stages}"] if config.epi_stages else []
+    parts += [f"--in-stages {config.in_stages}"] if config.in_stages else []
     parts += [] if config.raster_along_m else ["--raster n"]
     return " ".join(parts)
 

@@ -42,10 +42,12 @@ class Kernel:
 
     def __init__(self, program: Program, *, tile: tuple[int, int] | None = None,
                  cluster: tuple[int, int] | None = None, schedule: str | None = None, gpu: str | None = None,
-                 ab_stages: int = 0, raster_along_m: bool = True, swizzle: int = DEFAULT_SWIZZLE):
+                 ab_stages: int = 0, epi_stages: int = 0, in_stages: int = 0,
+                 raster_along_m: bool = True, swizzle: int = DEFAULT_SWIZZLE):
         self.program = program
         self.tile, self.cluster, self.schedule, self.gpu = tile, cluster, schedule, gpu
-        self.ab_stages = ab_stages  # mainloop stages; 0: planned from the shared memory (KernelConfig)
+        # mainloop stages and epilogue ring depths; 0: planned from the shared memory (KernelConfig)
+        self.ab_stages, self.epi_stages, self.in_stages = ab_stages, epi_stages, in_stages
         self.raster_along_m, self.swizzle = raster_along_m, swizzle  # tile order (KernelConfig)
         self.launches = 0
         self.last: Launch | None = None
@@ -64,7 +66,7 @@ class Kernel:
         return KernelConfig(
             gpu=self.gpu or gpu_model(a.device), dtype=short_dtype(a.dtype), majors=majors,
             tile=tuple(tile), cluster=tuple(cluster), schedule=schedule,
-            ab_stages=self.ab_stages, raster_along_m=self.raster_along_m, swizzle=self.swizzle,
+            ab_stages=self.ab_stages, epi_stages=self.epi_stages, in_stages=self.in_stages, raster_along_m=self.raster_along_m, swizzle=self.swizzle,
             operand_dtypes=operand_dtypes, table_periods=table_periods,
         ).check()
 

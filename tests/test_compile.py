@@ -121,6 +121,27 @@ def test_explicit_mainloop_stages_are_taken_exactly_or_refused():
         lower(library.get("gemm"), KernelConfig(ab_stages=8))  # 8 x 48 KB of A/B stages
 
 
+def test_explicit_ring_depths_are_taken_exactly_or_refused():
+    """The plan's shared-memory split can be overridden ring by ring; what does not fit, does not
+    divide the subtiles, or names rings the program lacks is refused before any compiler runs."""
+    cfg = lower(library.get("residual_sumsq"), KernelConfig(ab_stages=3, epi_stages=4)).cfg
+    assert (cfg["ab_stages"], cfg["epi_n"], cfg["epi_stages"], cfg["in_stages"]) == (3, 32, 4, 4)
+    cfg = lower(library.get("residual_sumsq"), KernelConfig(ab_stages=3, in_stages=4)).cfg
+    assert (cfg["ab_stages"], cfg["in_stages"]) == (3, 4)
+    cfg = lower(library.get("gemm"), KernelConfig(epi_stages=2)).cfg
+    assert (cfg["ab_stages"], cfg["epi_stages"]) == (4, 2)
+    assert "--epi-stages 2" in emit(library.get("gemm"), KernelConfig(epi_stages=2))
+    with pytest.raises(UnsupportedError, match="output rings 16 subtiles deep do not fit"):
+        lower(library.get("residual_sumsq"), KernelConfig(ab_stages=4, epi_stages=16))
+    with pytest.raises(UnsupportedError, match="do not divide"):
+        lower(library.get("gemm"), KernelConfig(tile=(128, 192), epi_stages=8))  # 6 or 12 subtiles
+    with pytest.raises(UnsupportedError, match="no tile inputs"):
+        lower(library.get("gemm"), KernelConfig(in_stages=2))
+    for bad in (1, 17, "4", -2):
+        with pytest.raises(UnsupportedError, match="expected 2..16 subtiles"):
+            KernelConfig(epi_stages=bad).check()
+
+
 @pytest.mark.parametrize("bad", [3, 16, 0, "4", 4.0, True])
 def test_swizzle_is_one_of_the_schedulers_and_an_int(bad):
     """It is printed into the emitted source: only the band widths swizzled_tile is run with."""
