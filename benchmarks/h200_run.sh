@@ -62,15 +62,19 @@ case $step in
       echo "$tool: exit $?"; tail -n 3 "$out/sanitize-$tool.log"
     done ;;
   profile)
+    # the full set (stall reasons, pc sampling) into a report, then the details page and the SASS
+    # with per-instruction stall samples as text (the kernels: fused, our GEMM, cuBLAS)
     d=${1:-2048}
     shift || true
     op=${*:-O GEMM + residual}
-    ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-      --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
-      python benchmarks/profile_op.py --d "$d" --op "$op" > "$out/profile-d$d.txt" 2>&1
-    echo "ncu: exit $?"
-    grep -E "^  [a-zA-Z_].*\(|Duration|Stall|Throughput|Issued|Eligible|Registers|profiled" "$out/profile-d$d.txt" \
-      | head -n 120 ;;
+    rep="$out/profile-d$d"
+    ncu --profile-from-start off --set full -f -o "$rep" \
+      python benchmarks/profile_op.py --d "$d" --op "$op" > "$rep.log" 2>&1
+    echo "ncu: exit $?"; tail -n 3 "$rep.log"
+    ncu -i "$rep.ncu-rep" --page details --print-details all > "$rep.txt" 2>&1
+    ncu -i "$rep.ncu-rep" --page source --print-source sass --csv > "$rep-sass.csv" 2>&1
+    echo "sass page: exit $? ($(wc -l < "$rep-sass.csv") lines)"
+    grep -E "^  [a-zA-Z_].*\(|Duration|Stall|Issued Warp|Eligible Warps" "$rep.txt" | head -n 60 ;;
   *)
     echo "unknown step $step: tests, runtime, ops, variants, block, sanitize or profile" >&2
     exit 2 ;;
