@@ -5,7 +5,7 @@ fused vs PyTorch.
                                      [--profile]
 
 Contenders, interleaved in one process: coda-cute's LlamaMLP / LlamaBlock /
-linear_cross_entropy (logits recomputed in backward, and with save_logits=True); the same math in
+linear_cross_entropy (logits saved for backward, and recomputed with save_logits=False); the same math in
 plain PyTorch (eager) and under torch.compile (dynamic=False); cuBLAS GEMMs alone (the
 floor: the block's forward and backward GEMMs with nothing else).  Times include every
 kernel a step needs (gamma refold, statistics, finishing partials, elementwise passes).
@@ -130,8 +130,8 @@ def main():
 
             cases["LM head + cross-entropy"] = {
                 "coda-cute": lambda: _loss_step(lambda x: linear_cross_entropy(x, w_head, target), h),
-                "coda-cute, saved logits": lambda: _loss_step(
-                    lambda x: linear_cross_entropy(x, w_head, target, save_logits=True), h),
+                "coda-cute, recomputed logits": lambda: _loss_step(
+                    lambda x: linear_cross_entropy(x, w_head, target, save_logits=False), h),
                 "torch eager": lambda: _loss_step(head_eager, h),
                 **compiled(head_eager, _loss_step),
                 "cuBLAS GEMMs alone": head_gemms,
