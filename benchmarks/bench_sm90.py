@@ -121,6 +121,8 @@ def _variants(program):
     # the default tile with its shared memory split otherwise: stores in flight vs mainloop stages
     out.append(("default tile, output rings 2 deep", cc.Kernel(program, epi_stages=2)))
     out.append(("default tile, 3 AB stages, output rings 4 deep", cc.Kernel(program, ab_stages=3, epi_stages=4)))
+    if any(op.kind == "tile" for op in program.operands):  # the whole tile's inputs loaded during the mainloop
+        out.append(("default tile, 3 AB stages, input rings a tile deep", cc.Kernel(program, ab_stages=3)))
     return out
 
 
