@@ -104,6 +104,12 @@ class Context:
     def fast_tiles(self) -> bool:
         return any(t["fast"] for t in self.tile_outputs + self.tile_inputs)
 
+    @property
+    def inputs_in_registers(self) -> bool:
+        """Whether every epilogue tile input is copied into registers (ldmatrix) at the start of a
+        subtile, so its smem stage can be freed before the subtile computes."""
+        return bool(self.tile_inputs) and all(t["fast"] for t in self.tile_inputs)
+
     def uses(self, name: str) -> bool:
         """Whether the generated lines refer to ``name``: the template defines the tile's
         coordinates (``tCcAcc``, ``row0``, ``col0``) and the view helpers only where used."""

@@ -54,6 +54,7 @@ def render(ctx: Context, config: KernelConfig | None = None) -> str:
         command=emit_command(ctx.program, config),
         program_listing=ctx.program.describe().splitlines(),
         fast_tiles=ctx.fast_tiles,
+        inputs_in_registers=ctx.inputs_in_registers,
         uses=ctx.uses,
         **vars(ctx),
     )
