@@ -107,8 +107,11 @@ class Context:
     @property
     def inputs_in_registers(self) -> bool:
         """Whether every epilogue tile input is copied into registers (ldmatrix) at the start of a
-        subtile, so its smem stage can be freed before the subtile computes."""
-        return bool(self.tile_inputs) and all(t["fast"] for t in self.tile_inputs)
+        subtile, so its smem stage can be freed before the subtile computes.  Cooperative kernels
+        only: in ping-pong ones the early release left rmsnorm_bwd(_residual) spilling (160-636
+        bytes), and their epilogue overlaps the other warpgroup's WGMMAs anyway."""
+        return (bool(self.tile_inputs) and all(t["fast"] for t in self.tile_inputs)
+                and self.config.schedule == "cooperative")
 
     def uses(self, name: str) -> bool:
         """Whether the generated lines refer to ``name``: the template defines the tile's
