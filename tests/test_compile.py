@@ -144,6 +144,24 @@ def test_explicit_ring_depths_are_taken_exactly_or_refused():
             KernelConfig(epi_stages=bad).check()
 
 
+def test_input_stages_are_freed_early_only_where_every_input_is_in_registers():
+    """A cooperative kernel whose tile inputs are all copied into registers (ldmatrix) at a
+    subtile's start frees their stage right then, once; others free it at the subtile's end."""
+    early = "the subtile's inputs are in registers now"
+
+    def release_points(name, config):
+        source = emit(library.get(name), config)
+        return source.count(early), source.count("epi_load_pipeline.consumer_release(")
+
+    assert release_points("residual_sumsq", KernelConfig()) == (1, 1)
+    assert release_points("rmsnorm_bwd", KernelConfig()) == (1, 1)
+    # 2N-wide preact is read from smem while the subtile computes
+    assert release_points("swiglu_bwd", KernelConfig()) == (0, 1)
+    pingpong = KernelConfig(tile=(128, 128), schedule="pingpong")
+    assert release_points("residual_sumsq", pingpong) == (0, 1)
+    assert release_points("gemm", KernelConfig()) == (0, 0)
+
+
 @pytest.mark.parametrize("bad", [3, 16, 0, "4", 4.0, True])
 def test_swizzle_is_one_of_the_schedulers_and_an_int(bad):
     """It is printed into the emitted source: only the band widths swizzled_tile is run with."""
