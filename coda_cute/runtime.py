@@ -66,7 +66,8 @@ class Kernel:
         return KernelConfig(
             gpu=self.gpu or gpu_model(a.device), dtype=short_dtype(a.dtype), majors=majors,
             tile=tuple(tile), cluster=tuple(cluster), schedule=schedule,
-            ab_stages=self.ab_stages, epi_stages=self.epi_stages, in_stages=self.in_stages, raster_along_m=self.raster_along_m, swizzle=self.swizzle,
+            ab_stages=self.ab_stages, epi_stages=self.epi_stages, in_stages=self.in_stages,
+            raster_along_m=self.raster_along_m, swizzle=self.swizzle,
             operand_dtypes=operand_dtypes, table_periods=table_periods,
         ).check()
 
