@@ -1,7 +1,7 @@
 #!/bin/bash
 # One step of a GPU session on the H200, run from the repository root:
 #
-#   bash benchmarks/h200_run.sh tests    # GPU tests, 4 processes (compiling is what takes time)
+#   bash benchmarks/h200_run.sh tests    # GPU tests, 5 processes (compiling is what takes time)
 #   bash benchmarks/h200_run.sh runtime  # compile / warm-load / per-call costs
 #   bash benchmarks/h200_run.sh ops [D [MODE ...]]  # fused ops vs cuBLAS / eager / torch.compile
 #                                                 # (MODE: default, max-autotune-no-cudagraphs;
@@ -29,7 +29,9 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} CODA_CUTE_CACHE_DIR=${CODA_CUTE_CACHE_DIR
 case $step in
   tests)
     i=0
-    for k in "library_program and (300x528 or 1x272)" "library_program and not (300x528 or 1x272)" \
+    # five slices of 2-3 minutes each (the library's second slice alone took ~4 minutes)
+    for k in "library_program and (300x528 or 1x272)" "library_program and (1000x784 or 129x1040)" \
+             "library_program and not (300x528 or 1x272 or 1000x784 or 129x1040)" \
              "random_composition" "not library_program and not random_composition"; do
       i=$((i + 1))
       python -m pytest tests/test_gpu_kernels.py tests/test_gpu_nn.py -q -p no:cacheprovider -k "$k" \
