@@ -76,7 +76,8 @@ case $step in
     ncu -i "$rep.ncu-rep" --page details --print-details all > "$rep.txt" 2>&1
     ncu -i "$rep.ncu-rep" --page source --print-source sass --csv > "$rep-sass.csv" 2>&1
     echo "sass page: exit $? ($(wc -l < "$rep-sass.csv") lines)"
-    grep -E "^  [a-zA-Z_].*\(|Duration|Stall|Issued Warp|Eligible Warps" "$rep.txt" | head -n 60 ;;
+    grep -E "^  [a-zA-Z_].*\(|Duration" "$rep.txt" | head -n 20
+    python benchmarks/ncu_stalls.py "$rep-sass.csv" --top 12 | tee "$rep-stalls.txt" ;;
   *)
     echo "unknown step $step: tests, runtime, ops, variants, block, sanitize or profile" >&2
     exit 2 ;;
