@@ -2,11 +2,12 @@
 op of bench_sm90.py at one d, each launched once after a warm-up, inside a profiler range for
 Nsight Compute to capture (`ncu --profile-from-start off`).
 
-    ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats \\
+    ncu --profile-from-start off --set full -o report \\
         python benchmarks/profile_op.py --d 2048 --op "O GEMM + residual"
 
-(`bash benchmarks/h200_run.sh profile 2048 O GEMM + residual` runs exactly that.)  The kernels
-come in this order: the fused kernel, our plain GEMM, cuBLAS.
+(`bash benchmarks/h200_run.sh profile 2048 O GEMM + residual` runs that and prints the report's
+stalls per SASS instruction with benchmarks/ncu_stalls.py.)  The kernels come in this order:
+the fused kernel (and any kernel finishing its reduction partials), our plain GEMM, cuBLAS.
 """
 
 import argparse
