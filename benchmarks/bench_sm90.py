@@ -107,7 +107,8 @@ def ops_for(d: int, m: int):
 def _variants(program):
     """Other tile / cluster / schedule / stage choices, to pick the defaults from."""
     out = []
-    if any(op.kind == "tile" for op in program.operands):  # inputs prefetched further ahead
+    tile_inputs = any(op.kind == "tile" for op in program.operands)
+    if tile_inputs:  # inputs prefetched further ahead
         out.append(("128x256 c2x1 cooperative, 3 AB stages", cc.Kernel(program, tile=(128, 256), cluster=(2, 1),
                                                                        ab_stages=3)))
     for tile, cluster, schedule in (((128, 256), (1, 2), "cooperative"), ((64, 256), (2, 1), "pingpong"),
@@ -121,7 +122,7 @@ def _variants(program):
     # the default tile with its shared memory split otherwise: stores in flight vs mainloop stages
     out.append(("default tile, output rings 2 deep", cc.Kernel(program, epi_stages=2)))
     out.append(("default tile, 3 AB stages, output rings 4 deep", cc.Kernel(program, ab_stages=3, epi_stages=4)))
-    if any(op.kind == "tile" for op in program.operands):  # the whole tile's inputs loaded during the mainloop
+    if tile_inputs:  # the whole tile's inputs loaded during the mainloop
         out.append(("default tile, 3 AB stages, input rings a tile deep", cc.Kernel(program, ab_stages=3)))
     return out
 

@@ -453,11 +453,11 @@ class _Body:
         names = [self.name(base if count == 1 else f"{base}_{k}") for k in range(count)]
         comment = f"# {node.hint} = {node.expand()}" if node.hint else f"# {node.expand()}"
         self.lines.append(comment)
-        if node.op == "cast" and count > 1 and lanes != self.lanes[id(node.args[0])]:
+        source = self.lanes[id(node.args[0])] if node.op == "cast" else None
+        if source is not None and count > 1 and lanes != source:
             # a rounding cast: lanes in pairs through one packed conversion
             self.ctx.helpers.add("round_pair")
             target = CUTE_DTYPES[_storage(node.attrs[0], self.config)]
-            source = self.lanes[id(node.args[0])]
             for k in range(0, count, 2):
                 self.lines.append(f"{names[k]}, {names[k + 1]} = round_pair({source[k]}, {source[k + 1]}, cutlass.{target})")
         else:
