@@ -573,7 +573,9 @@ class _Body:
             return [name]
         if op.kind == "table":
             cols = self.values(Node("col", (), (), "i32", op.width))
-            return [f"cutlass.Float32({name}[(row % {name}.shape[0], ({c}) % {name}.shape[1])])" for c in cols]
+            # the row first, then the column: the row's address is computed once per row and each
+            # column adds a 32-bit offset (indexing both at once made 64-bit math per element)
+            return [f"cutlass.Float32({name}[(row % {name}.shape[0], None)][({c}) % {name}.shape[1]])" for c in cols]
         view = f"view_in_{op.name}"
         wrap = "cutlass.Float32({})" if op.kind == "tile" else "{}"
         if op.kind == "row":
