@@ -94,6 +94,7 @@ class Context:
     col_reductions: list = field(default_factory=list)
     col_scratch_elems: int = 0
     segments: list = field(default_factory=list)  # registers of segment reductions
+    tables: list = field(default_factory=list)  # table operands gathered a subtile ahead
     epi_n: int = EPI_N_CHOICES[0]
     helpers: set = field(default_factory=set)  # module-level helper functions the body calls
 
@@ -117,8 +118,32 @@ class Context:
         """Whether the generated lines refer to ``name``: the template defines the tile's
         coordinates (``tCcAcc``, ``row0``, ``col0``) and the view helpers only where used."""
         lines = (self.body + self.tile_prologue + self.subtile_prologue + self.subtile_compute_end
-                 + self.subtile_epilogue + self.tile_epilogue + [str(x) for x in self.vectors + self.views])
+                 + self.subtile_epilogue + self.tile_epilogue + self.table_gather()
+                 + [str(x) for x in self.vectors + self.views])
         return any(re.search(rf"\b{name}\b", line) for line in lines)
+
+    def table_gather(self) -> list[str]:
+        """Lines that load subtile ``gather_subtile``'s table values into stage
+        ``gather_subtile % 2`` of each table's register fragment.  The template runs them before
+        the values are needed: for the first subtile while the mainloop's last WGMMAs finish, for
+        the others at the end of the subtile before, so the loads' latency hides behind its store.
+        (Loaded in place, their latency was most of RoPE's epilogue in Nsight Compute.)"""
+        if not self.tables:
+            return []
+        lines = ["for m_block in cutlass.range_constexpr(mma_m):",
+                 "    for j in cutlass.range_constexpr(gather_subtile * (EPI_N // 8), (gather_subtile + 1) * (EPI_N // 8)):",
+                 "        for h in cutlass.range_constexpr(2):",
+                 "            row_in_tile, col_in_tile = tCcAcc[((0, h, j), m_block, 0)]",
+                 "            row = row0 + row_in_tile",
+                 "            col = col0 + col_in_tile",
+                 "            table_slot = h + 2 * (m_block + mma_m * (j % (EPI_N // 8)))"]
+        for t in self.tables:
+            source = t["gmem"]
+            for k, col in enumerate(t["cols"]):
+                slot = "table_slot" if len(t["cols"]) == 1 else f"{len(t['cols'])} * table_slot + {k}"
+                lines.append(f"            {t['frag']}[({slot}, gather_subtile % 2)] = "
+                             f"cutlass.Float32({source}[(row % {source}.shape[0], None)][({col}) % {source}.shape[1]])")
+        return lines
 
 
 def operand_dtype(config: KernelConfig, name: str) -> str:
@@ -573,9 +598,18 @@ class _Body:
             return [name]
         if op.kind == "table":
             cols = self.values(Node("col", (), (), "i32", op.width))
-            # the row first, then the column: the row's address is computed once per row and each
-            # column adds a 32-bit offset (indexing both at once made 64-bit math per element)
-            return [f"cutlass.Float32({name}[(row % {name}.shape[0], None)][({c}) % {name}.shape[1]])" for c in cols]
+            if self.lines is not self.ctx.body:  # a whole-tile pass (segment reduction): load in place
+                # the row first, then the column: the row's address is computed once per row and
+                # each column adds a 32-bit offset (indexing both at once made 64-bit math per element)
+                return [f"cutlass.Float32({name}[(row % {name}.shape[0], None)][({c}) % {name}.shape[1]])"
+                        for c in cols]
+            table = next((t for t in self.ctx.tables if t["gmem"] == name), None)
+            if table is None:
+                table = dict(gmem=name, frag=f"frag_table_{op.name}", cols=cols)
+                self.ctx.tables.append(table)
+            if len(cols) == 1:
+                return [f"{table['frag']}[(table_slot, subtile % 2)]"]
+            return [f"{table['frag']}[({len(cols)} * table_slot + {k}, subtile % 2)]" for k in range(len(cols))]
         view = f"view_in_{op.name}"
         wrap = "cutlass.Float32({})" if op.kind == "tile" else "{}"
         if op.kind == "row":

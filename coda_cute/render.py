@@ -55,6 +55,7 @@ def render(ctx: Context, config: KernelConfig | None = None) -> str:
         program_listing=ctx.program.describe().splitlines(),
         fast_tiles=ctx.fast_tiles,
         inputs_in_registers=ctx.inputs_in_registers,
+        table_gather=ctx.table_gather(),
         uses=ctx.uses,
         **vars(ctx),
     )
