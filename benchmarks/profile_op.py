@@ -27,10 +27,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--d", type=int, default=2048, choices=sorted(SHAPES))
     parser.add_argument("--m", type=int, default=8192, help="tokens")
-    parser.add_argument("--op", required=True, help="the bench_sm90 op whose name starts with this")
+    parser.add_argument("--op", required=True, help="the bench_sm90 op of this name, or the one whose name starts with this")
     args = parser.parse_args()
     ops = ops_for(args.d, args.m)
-    chosen = [op for op in ops if op[0].startswith(args.op)]
+    # the op named exactly, else the one whose name starts so ("down dgrad + SwiGLU bwd" is both)
+    chosen = [op for op in ops if op[0] == args.op] or [op for op in ops if op[0].startswith(args.op)]
     if len(chosen) != 1:
         sys.exit(f"--op {args.op!r} names {len(chosen)} ops; one of: {', '.join(op[0] for op in ops)}")
     name, program, a, b, operands, _ = chosen[0]
