@@ -126,8 +126,9 @@ class Context:
         """Lines that load subtile ``gather_subtile``'s table values into stage
         ``gather_subtile % 2`` of each table's register fragment.  The template runs them before
         the values are needed: for the first subtile while the mainloop's last WGMMAs finish, for
-        the others at the end of the subtile before, so the loads' latency hides behind its store.
-        (Loaded in place, their latency was most of RoPE's epilogue in Nsight Compute.)"""
+        the others once the subtile before has issued its store, so the loads' latency hides
+        behind the barriers in between.  (Loaded where they were used, their latency was most of
+        RoPE's epilogue in Nsight Compute.)"""
         if not self.tables:
             return []
         lines = ["for m_block in cutlass.range_constexpr(mma_m):",
@@ -138,12 +139,17 @@ class Context:
                  "            col = col0 + col_in_tile",
                  "            table_slot = h + 2 * (m_block + mma_m * (j % (EPI_N // 8)))"]
         for t in self.tables:
-            source = t["gmem"]
             for k, col in enumerate(t["cols"]):
                 slot = "table_slot" if len(t["cols"]) == 1 else f"{len(t['cols'])} * table_slot + {k}"
-                lines.append(f"            {t['frag']}[({slot}, gather_subtile % 2)] = "
-                             f"cutlass.Float32({source}[(row % {source}.shape[0], None)][({col}) % {source}.shape[1]])")
+                lines.append(f"            {t['frag']}[({slot}, gather_subtile % 2)] = {_table_read(t['gmem'], col)}")
         return lines
+
+
+def _table_read(table: str, col: str) -> str:
+    """One element of a table operand, T[row % R, col % P], as fp32.  The row is indexed first,
+    then the column: the row's address is computed once per row and each column adds a 32-bit
+    offset (indexing both at once made 64-bit address math per element)."""
+    return f"cutlass.Float32({table}[(row % {table}.shape[0], None)][({col}) % {table}.shape[1]])"
 
 
 def operand_dtype(config: KernelConfig, name: str) -> str:
@@ -599,10 +605,7 @@ class _Body:
         if op.kind == "table":
             cols = self.values(Node("col", (), (), "i32", op.width))
             if self.lines is not self.ctx.body:  # a whole-tile pass (segment reduction): load in place
-                # the row first, then the column: the row's address is computed once per row and
-                # each column adds a 32-bit offset (indexing both at once made 64-bit math per element)
-                return [f"cutlass.Float32({name}[(row % {name}.shape[0], None)][({c}) % {name}.shape[1]])"
-                        for c in cols]
+                return [_table_read(name, c) for c in cols]
             table = next((t for t in self.ctx.tables if t["gmem"] == name), None)
             if table is None:
                 table = dict(gmem=name, frag=f"frag_table_{op.name}", cols=cols)
