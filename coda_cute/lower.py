@@ -137,12 +137,22 @@ class Context:
                  "            row_in_tile, col_in_tile = tCcAcc[((0, h, j), m_block, 0)]",
                  "            row = row0 + row_in_tile",
                  "            col = col0 + col_in_tile",
-                 "            table_slot = h + 2 * (m_block + mma_m * (j % (EPI_N // 8)))"]
+                 f"            table_slot = {TABLE_SLOT}"]
         for t in self.tables:
             for k, col in enumerate(t["cols"]):
-                slot = "table_slot" if len(t["cols"]) == 1 else f"{len(t['cols'])} * table_slot + {k}"
+                slot = _table_slot(len(t["cols"]), k)
                 lines.append(f"            {t['frag']}[({slot}, gather_subtile % 2)] = {_table_read(t['gmem'], col)}")
         return lines
+
+
+# a column pair's place among one subtile's pairs in a table fragment: the gather (above) and the
+# body (the template, via render) both index it so
+TABLE_SLOT = "h + 2 * (m_block + mma_m * (j % (EPI_N // 8)))"
+
+
+def _table_slot(lanes: int, k: int) -> str:
+    """Fragment row of lane ``k`` of a pair's ``lanes`` table values."""
+    return "table_slot" if lanes == 1 else f"{lanes} * table_slot + {k}"
 
 
 def _table_read(table: str, col: str) -> str:
@@ -610,9 +620,7 @@ class _Body:
             if table is None:
                 table = dict(gmem=name, frag=f"frag_table_{op.name}", cols=cols)
                 self.ctx.tables.append(table)
-            if len(cols) == 1:
-                return [f"{table['frag']}[(table_slot, subtile % 2)]"]
-            return [f"{table['frag']}[({len(cols)} * table_slot + {k}, subtile % 2)]" for k in range(len(cols))]
+            return [f"{table['frag']}[({_table_slot(len(cols), k)}, subtile % 2)]" for k in range(len(cols))]
         view = f"view_in_{op.name}"
         wrap = "cutlass.Float32({})" if op.kind == "tile" else "{}"
         if op.kind == "row":

@@ -9,7 +9,7 @@ import jinja2
 from . import __version__
 from .config import KernelConfig
 from .library import resource_dir
-from .lower import Context, lower
+from .lower import TABLE_SLOT, Context, lower
 from .program import Program
 
 TEMPLATES = {"sm_90a": "sm90_gemm.py.j2"}
@@ -56,6 +56,7 @@ def render(ctx: Context, config: KernelConfig | None = None) -> str:
         fast_tiles=ctx.fast_tiles,
         inputs_in_registers=ctx.inputs_in_registers,
         table_gather=ctx.table_gather(),
+        table_slot=TABLE_SLOT,
         uses=ctx.uses,
         **vars(ctx),
     )
