@@ -81,6 +81,9 @@ def ops_for(d: int, m: int):
     rope = library.get("rope_qkv").with_constants(rotary_cols=rotary)
     ops.append(("QKV GEMM + RoPE", rope, x, w(qkv, d), {"cos": cos, "sin": sin},
                 lambda a, b, cos, sin: rope_torch(a @ b.t(), cos, sin, rotary)))
+    # Hugging Face's Llama hands RoPE its tables in the activation dtype: half the table traffic
+    ops.append(("QKV GEMM + RoPE (bf16 tables)", rope, x, w(qkv, d), {"cos": cos.to(bf), "sin": sin.to(bf)},
+                lambda a, b, cos, sin: rope_torch(a @ b.t(), cos, sin, rotary)))
     resid = torch.randn(m, d, device=dev, dtype=bf)
     ops.append(("O GEMM + residual + sumsq", library.get("residual_sumsq"), x, w(d, d), {"residual": resid},
                 lambda a, b, residual: _res_sumsq(a, b, residual)))
