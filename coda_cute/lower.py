@@ -311,6 +311,11 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
     for t in ctx.tile_outputs + ctx.tile_inputs:
         if t["fast"]:
             continue  # N-wide tiles go through stmatrix / ldmatrix fragments instead
+        if _uses_words(t["width"], t["dtype"]):  # 2N wide, 16-bit: one 64-bit word per column pair
+            words = t["cols"] // 4
+            ctx.views.append(dict(name=t["view"], expr=f"acc_view_of_ring(ring_as_words({t['smem']}, "
+                                                       f"{t['smem']}_layout), {words}, 0, {t['stages']})"))
+            continue
         for lane in _view_lanes(t["width"]):
             ctx.views.append(dict(name=t["view"] + lane,
                                   expr=f"acc_view_of_ring({t['smem']}, {t['cols']}, {lane[1:] or 0}, {t['stages']})"))
@@ -333,6 +338,13 @@ def _tile_threads(config: KernelConfig) -> int:
 def _uses_fragments(width: Fraction, dtype: str) -> bool:
     """N-wide 16-bit tiles move through stmatrix / ldmatrix fragments; the rest through smem views."""
     return width == ONE and DTYPE_BYTES[dtype] == 2
+
+
+def _uses_words(width: Fraction, dtype: str) -> bool:
+    """2N-wide 16-bit tiles move through smem as 64-bit words: the four adjacent columns
+    2c .. 2c + 3 that accumulator columns c and c + 1 own (one LDS.64 / STS.64 per column pair
+    instead of four 16-bit accesses)."""
+    return width == TWO and DTYPE_BYTES[dtype] == 2
 
 
 def _view_lanes(width: Fraction) -> list[str]:
@@ -494,6 +506,12 @@ class _Body:
         names = [self.name(base if count == 1 else f"{base}_{k}") for k in range(count)]
         comment = f"# {node.hint} = {node.expand()}" if node.hint else f"# {node.expand()}"
         self.lines.append(comment)
+        word = self._word_load(node)
+        if word is not None:  # four 16-bit values from one 64-bit smem word
+            self.ctx.helpers.add("unpack_quad")
+            self.lines.append(f"{', '.join(names)} = {word}")
+            self.lanes[id(node)] = names
+            return
         source = self.lanes[id(node.args[0])] if node.op == "cast" else None
         if source is not None and count > 1 and lanes != source:
             # a rounding cast: lanes in pairs through one packed conversion
@@ -505,6 +523,16 @@ class _Body:
             for name, code in zip(names, lanes):
                 self.lines.append(f"{name} = {code}")
         self.lanes[id(node)] = names
+
+    def _word_load(self, node: Node) -> str | None:
+        """The unpacking read of a 2N-wide 16-bit tile operand (see _uses_words), else None."""
+        if node.op != "load":
+            return None
+        op = self.program.operand(node.attrs[0])
+        dtype = operand_dtype(self.config, op.name)
+        if op.kind != "tile" or not _uses_words(op.width, dtype):
+            return None
+        return f"unpack_quad(view_in_{op.name}[pair0], cutlass.{CUTE_DTYPES[dtype]})"
 
     def _reads(self, node: Node) -> int:
         """How many times the body reads ``node``'s lanes: as an argument, or as a stored output."""
@@ -643,6 +671,10 @@ class _Body:
                    ONE: [f"frag_out_{out.name}[slot{e}]" if fast else f"{view}[pair{e}]" for e in (0, 1)],
                    TWO: [f"{view}_{q}[pair{e}]" for e in (0, 1) for q in (0, 1)]}[out.node.width]
         self.lines.append(f"# store {out.name}")
+        if _uses_words(out.node.width, _storage(out.dtype, self.config)):  # one 64-bit word
+            self.ctx.helpers.add("pack_quad")
+            self.lines.append(f"{view}[pair0] = pack_quad({', '.join(lanes)}, cutlass.{dtype})")
+            return
         for target, value in zip(targets, lanes):
             self.lines.append(f"{target} = cutlass.{dtype}({value})")
 

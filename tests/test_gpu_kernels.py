@@ -95,9 +95,11 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, 
 
 
 def run_and_compare(program: Program, m: int, n: int, k: int, dtype=torch.bfloat16, majors="kk",
-                    tile=None, cluster=None, schedule=None, seed=0, ab_stages=0, **order):
+                    tile=None, cluster=None, schedule=None, seed=0, ab_stages=0, operand_dtypes=None, **order):
     gen = torch.Generator().manual_seed(seed * 7919 + m * 31 + n * 17 + k)
     a, b, operands = make_inputs(program, m, n, k, dtype, gen, majors)
+    for name, operand_dtype in (operand_dtypes or {}).items():
+        operands[name] = operands[name].to(operand_dtype)
     kernel = Kernel(program, tile=tile, cluster=cluster, schedule=schedule, ab_stages=ab_stages, **order)
     views, buffers = poisoned_outputs(program, m, n, dtype)
     result = kernel(a, b, out=views, return_partials=True, **operands)
@@ -214,10 +216,20 @@ def test_swizzled_tile_order(name, tile, cluster, schedule, raster_along_m, swiz
                     raster_along_m=raster_along_m, swizzle=swizzle)
 
 
-@pytest.mark.parametrize("name", ["swiglu_save", "residual_sumsq"])
+@pytest.mark.parametrize("name", ["swiglu_save", "residual_sumsq", "swiglu_bwd_recompute"])
 def test_fp16_inputs(name):
-    """f16 end to end; residual_sumsq rounds h mid-program (round_pair's cvt.rn.f16x2.f32)."""
+    """f16 end to end; residual_sumsq rounds h mid-program (round_pair's cvt.rn.f16x2.f32), and
+    swiglu_bwd_recompute's 2N-wide tiles move as 64-bit words of f16 (pack_quad / unpack_quad)."""
     run_and_compare(library.get(name), 300, 528, 200, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+def test_fp32_wide_tile_input(schedule):
+    """preact in fp32: a 2N-wide tile of 32-bit values keeps the per-element smem views (16-bit
+    ones move as 64-bit words)."""
+    tile = (128, 128) if schedule == "pingpong" else None
+    run_and_compare(library.get("swiglu_bwd"), 300, 528, 200, tile=tile, schedule=schedule,
+                    operand_dtypes={"preact": torch.float32})
 
 
 def test_runs_on_current_stream():

@@ -4,7 +4,9 @@ N-wide 16-bit tiles move between registers and shared memory with stmatrix / ldm
 the accumulator's layout: the emitted body writes the value of accumulator pair
 ((e, h, j), m_block) into fragment slot `slot0 + e`.  Other widths go through views of the
 epilogue ring in accumulator coordinates (`acc_view_of_ring`): accumulator column c of a
-tile lands in ring column c // 2 (N/2 wide) or 2c + lane (2N wide) of its subtile's stage.
+tile lands in ring column c // 2 (N/2 wide) or 2c + lane (2N wide, 32-bit) of its subtile's
+stage; 2N-wide 16-bit rings are recast to 64-bit words, and column pair (c, c + 1) lands in
+word c // 2, which must hold ring columns 2c .. 2c + 3 under the ring's swizzle.
 Here CuTe's layout algebra (static, evaluated while tracing, no GPU) says which (row, col)
 each slot or view element holds, and the tests check it, for the schedules, tiles and
 subtile widths the generator picks.  A wrong mapping would only show on the GPU as a
@@ -102,7 +104,8 @@ def _check_ring_views(source: str, width: str, stage_count: str) -> int:
     kernel = import_source(source)
     threads = [t for t in THREADS if t < kernel.TILE_THREADS]
     epi_n, stages = kernel.EPI_N, getattr(kernel, stage_count)
-    cols = {"N/2": epi_n // 2, "2N": 2 * epi_n}[width]
+    # 2N-wide 16-bit rings are seen as EPI_N // 2 words: mapped like N/2 (see acc_view_of_ring)
+    cols = {"N/2": epi_n // 2, "2N": 2 * epi_n, "2N words": epi_n // 2}[width]
     lanes = (0, 1) if width == "2N" else (0,)
     checked = []
 
@@ -118,7 +121,7 @@ def _check_ring_views(source: str, width: str, stage_count: str) -> int:
                 for k in list(range(cute.size(coords))):  # a Python list: iterated while tracing
                     row, col = coords[k]
                     sub = col // epi_n
-                    want_col = (col % epi_n) // 2 if width == "N/2" else 2 * (col % epi_n) + lanes[lane]
+                    want_col = 2 * (col % epi_n) + lanes[lane] if width == "2N" else (col % epi_n) // 2
                     assert view[k] == (row, want_col, sub % stages), (
                         f"thread {threads[t]}, accumulator ({row}, {col}), lane {lanes[lane]}: view holds "
                         f"{view[k]}, want (row {row}, ring column {want_col}, stage {sub % stages})"
@@ -133,8 +136,107 @@ def _check_ring_views(source: str, width: str, stage_count: str) -> int:
                          ids=[f"{n}-{c.tile[0]}x{c.tile[1]}-{c.schedule}" for n, c in VIEW_CONFIGS])
 def test_ring_views_put_each_accumulator_column_in_its_ring_column(name, config):
     source = emit(library.get(name), config)
-    width = "N/2" if name == "swiglu" else "2N"
-    stage_counts = set(re.findall(r"acc_view_of_ring\([^()]*, (EPI_STAGES|IN_STAGES)\)", source))
+    width = "N/2" if name == "swiglu" else "2N words"
+    stage_counts = set(re.findall(r"acc_view_of_ring\((?:[^()]|\([^()]*\))*, (EPI_STAGES|IN_STAGES)\)", source))
     assert stage_counts, "no ring view in the emitted source"
+    if width == "2N words":
+        assert "ring_as_words(" in source, "2N-wide bf16 tiles no longer move as 64-bit words"
     for stage_count in sorted(stage_counts):  # output rings and input rings may differ in depth
         assert _check_ring_views(source, width, stage_count) > 0
+
+
+def _swizzled_bytes(swizzle, layout, coords, elem_bytes):
+    """Byte addresses (from a 1024-aligned base) of a smem tensor at static coordinates: `layout`
+    by CuTe, then the pointer's swizzle Sw<B,M,S> on the byte address (a ^= (a >> S) & mask)."""
+    import cutlass.cute as cute
+
+    b, m, shift = swizzle.num_bits, swizzle.num_base, swizzle.num_shift
+    mask = ((1 << b) - 1) << (m + shift)
+    out = []
+    for coord in coords:
+        address = elem_bytes * cute.crd2idx(coord, layout)
+        out.append(address ^ ((address & mask) >> shift))
+    return out
+
+
+@pytest.mark.parametrize("epi_n,stages", [(16, 2), (16, 4), (32, 2), (32, 4)])
+def test_word_views_hold_four_adjacent_ring_columns(epi_n, stages):
+    """What `ring_as_words` relies on: under the ring's pointer swizzle, the bytes of word
+    (r, w, s) of the recast layout are those of 16-bit ring elements (r, 4w .. 4w + 3, s)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    source = emit(library.get("swiglu_bwd"), KernelConfig(tile=(128, 128), schedule="pingpong"))
+    kernel = import_source(source)
+    cols = 2 * epi_n
+    checked = []
+
+    def compare(swizzle, ring, words):  # plain Python (a jit function's loops would be staged)
+        coords = [(r, w, s) for r in range(kernel.TILE_M) for w in range(cols // 4) for s in range(stages)]
+        word_at = _swizzled_bytes(swizzle, words, coords, 8)
+        for i in range(4):
+            elem_at = _swizzled_bytes(swizzle, ring, [(r, 4 * w + i, s) for r, w, s in coords], 2)
+            for coord, word, elem in zip(coords, word_at, elem_at):
+                assert elem == word + 2 * i, f"ring element {coord} column +{i} at byte {elem}, its word at {word}"
+                checked.append(1)
+
+    @cute.jit
+    def probe():
+        ring = kernel.epi_smem_layout(cutlass.BFloat16, cols, stages)
+        compare(ring.inner, ring.outer, cute.recast_layout(64, 16, ring.outer))
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+    assert len(checked) == 4 * 128 * (cols // 4) * stages
+
+
+def _pointer_swizzle(pointer):
+    """The swizzle a smem pointer carries, as (B, M, S), or None.  A pointer's swizzle acts on
+    byte addresses whatever its element type (TMA's 64-byte swizzle is S<2,4,3> on bf16 rings)."""
+    if not pointer.type.is_swizzled:
+        return None
+    swizzle = pointer.type.swizzle_type
+    return swizzle.num_bits, swizzle.num_base, swizzle.num_shift
+
+
+@pytest.mark.parametrize("config", [KernelConfig(tile=(128, 128), schedule="pingpong"),
+                                    KernelConfig(tile=(128, 192), schedule="pingpong"), KernelConfig()],
+                         ids=["128x128-pingpong", "128x192-pingpong", "default"])
+def test_word_views_address_what_the_ring_views_address(config):
+    """Each thread's 64-bit word view (ring_as_words) must reach the bytes where its 16-bit view
+    of the same ring holds the word's first column: the ring's own pointer swizzle (it acts on
+    byte addresses), and 4x the 16-bit offsets after partition_C (both columns of a pair share
+    their word).  Three versions that broke this were wrong on the H200: cute.recast_tensor
+    dropped the pointer's swizzle (rows 2-7 of every 8 wrong), one recast to 64-bit units
+    (S<2,2,3> for S<2,4,3>) misaligned the words, and one moved into the layout came out of
+    partition_C as per-thread strides that ignore it."""
+    import cutlass
+    import cutlass.cute as cute
+
+    kernel = import_source(emit(library.get("swiglu_bwd"), config))
+    threads = [t for t in THREADS if t < kernel.TILE_THREADS]
+    checked = []
+
+    def compare(thread, elems, words):  # plain Python while tracing: static layouts
+        assert _pointer_swizzle(elems.iterator) is not None, "the probe's ring should swizzle in its pointer"
+        assert _pointer_swizzle(words.iterator) == _pointer_swizzle(elems.iterator), (
+            f"thread {thread}: words pointer {words.iterator.type}, ring pointer {elems.iterator.type}")
+        assert cute.size(words) == cute.size(elems)
+        for k in range(cute.size(elems)):  # accumulator element k; k and k + 1 (k even) are a pair
+            word, elem = cute.crd2idx(k, words.layout), cute.crd2idx(k - k % 2, elems.layout)
+            assert 4 * word == elem, f"thread {thread}, element {k}: word offset {word}, 16-bit offset {elem}"
+            checked.append(1)
+
+    @cute.jit
+    def probe():
+        layout = kernel.epi_smem_layout(cutlass.BFloat16, 2 * kernel.EPI_N, kernel.EPI_STAGES)
+        pointer = cute.make_ptr(cutlass.BFloat16, 0, cute.AddressSpace.smem, assumed_align=1024, swizzle_=layout.inner)
+        ring = cute.make_tensor(pointer, layout.outer)  # as storage.<ring>.get_tensor(outer, swizzle=inner)
+        words = kernel.ring_as_words(ring, layout)
+        tiled_mma = kernel.make_tiled_mma()
+        for t in cutlass.range_constexpr(len(threads)):
+            thr = tiled_mma.get_slice(threads[t])
+            compare(threads[t], thr.partition_C(kernel.acc_view_of_ring(ring, 2 * kernel.EPI_N, 0, kernel.EPI_STAGES)),
+                    thr.partition_C(kernel.acc_view_of_ring(words, kernel.EPI_N // 2, 0, kernel.EPI_STAGES)))
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+    assert len(checked) == len(threads) * kernel.TILE_M * kernel.TILE_N // kernel.TILE_THREADS
