@@ -145,6 +145,18 @@ def test_ring_views_put_each_accumulator_column_in_its_ring_column(name, config)
         assert _check_ring_views(source, width, stage_count) > 0
 
 
+@pytest.mark.parametrize("config", [
+    KernelConfig(tile=(128, 256), cluster=(1, 2), operand_dtypes=(("preact", "f32"),)),
+    KernelConfig(tile=(128, 192), schedule="pingpong", cluster=(1, 2), operand_dtypes=(("preact", "f32"),)),
+], ids=["128x256-cooperative", "128x192-pingpong"])
+def test_ring_views_of_32_bit_2n_tiles(config):
+    """32-bit 2N-wide tiles (here an fp32 preact) keep one view per column of a pair, ring
+    columns 2c and 2c + 1; only 16-bit ones move as 64-bit words."""
+    source = emit(library.get("swiglu_bwd"), config)
+    assert "view_in_preact_0 = " in source and "view_in_preact_1 = " in source
+    assert _check_ring_views(source, "2N", "IN_STAGES") > 0
+
+
 def _swizzled_bytes(swizzle, layout, coords, elem_bytes):
     """Byte addresses (from a 1024-aligned base) of a smem tensor at static coordinates: `layout`
     by CuTe, then the pointer's swizzle Sw<B,M,S> on the byte address (a ^= (a >> S) & mask)."""
