@@ -664,17 +664,18 @@ class _Body:
     # -- outputs
     def store(self, out) -> None:
         lanes = _broadcast(self.lanes[id(out.node)], NUM_LANES[out.node.width])
-        dtype = CUTE_DTYPES[_storage(out.dtype, self.config)]
+        storage = _storage(out.dtype, self.config)
+        dtype = CUTE_DTYPES[storage]
         view = f"view_out_{out.name}"
-        fast = _uses_fragments(out.node.width, _storage(out.dtype, self.config))
-        targets = {HALF: [f"{view}[pair0]"],
-                   ONE: [f"frag_out_{out.name}[slot{e}]" if fast else f"{view}[pair{e}]" for e in (0, 1)],
-                   TWO: [f"{view}_{q}[pair{e}]" for e in (0, 1) for q in (0, 1)]}[out.node.width]
         self.lines.append(f"# store {out.name}")
-        if _uses_words(out.node.width, _storage(out.dtype, self.config)):  # one 64-bit word
+        if _uses_words(out.node.width, storage):  # one 64-bit word
             self.ctx.helpers.add("pack_quad")
             self.lines.append(f"{view}[pair0] = pack_quad({', '.join(lanes)}, cutlass.{dtype})")
             return
+        fast = _uses_fragments(out.node.width, storage)
+        targets = {HALF: [f"{view}[pair0]"],
+                   ONE: [f"frag_out_{out.name}[slot{e}]" if fast else f"{view}[pair{e}]" for e in (0, 1)],
+                   TWO: [f"{view}_{q}[pair{e}]" for e in (0, 1) for q in (0, 1)]}[out.node.width]
         for target, value in zip(targets, lanes):
             self.lines.append(f"{target} = cutlass.{dtype}({value})")
 
