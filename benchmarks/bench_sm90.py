@@ -58,7 +58,7 @@ def swiglu_bwd_torch(dh, preact):
     return torch.stack([dg, du], -1).flatten(-2).to(dh.dtype)
 
 
-def ops_for(d: int, m: int):
+def ops_for(d: int, m: int, rope_positions: int = 4096):
     ffn, qkv = SHAPES[d]
     bf = torch.bfloat16
     dev = "cuda"
@@ -76,7 +76,7 @@ def ops_for(d: int, m: int):
     rstd = torch.rand(m, device=dev) + 0.5
     ops.append(("QKV GEMM + RMSNorm row scale", library.get("rms_scale"), x, w(qkv, d), {"rstd": rstd},
                 lambda a, b, rstd: ((a @ b.t()).float() * rstd[:, None]).to(bf)))
-    cos, sin = torch.randn(4096, 64, device=dev), torch.randn(4096, 64, device=dev)
+    cos, sin = torch.randn(rope_positions, 64, device=dev), torch.randn(rope_positions, 64, device=dev)
     rotary = qkv - 2 * (qkv // 6)  # q and k heads; v passes through
     rope = library.get("rope_qkv").with_constants(rotary_cols=rotary)
     ops.append(("QKV GEMM + RoPE", rope, x, w(qkv, d), {"cos": cos, "sin": sin},
@@ -186,13 +186,16 @@ def main():
                              "of the given strings; none given: all)")
     parser.add_argument("--ops", nargs="*", help="only the ops whose name contains one of these strings")
     parser.add_argument("--quack", action="store_true", help="also time quack's kernel for the ops it has (untuned)")
+    parser.add_argument("--rope-positions", type=int, default=4096,
+                        help="rows (positions) of the RoPE ops' cos/sin tables; 1 is a diagnostic: every row reads "
+                             "the same 64 values, so the epilogue's table loads hit L1 and move no L2 traffic")
     args = parser.parse_args()
     from triton.testing import do_bench
 
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
     for d in args.d:
-        for name, program, a, b, operands, fn in ops_for(d, args.m):
+        for name, program, a, b, operands, fn in ops_for(d, args.m, args.rope_positions):
             if args.ops and not any(o in name for o in args.ops):
                 continue
             kernel = cc.Kernel(program)
