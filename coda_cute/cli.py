@@ -292,6 +292,7 @@ def _config(program: Program, args) -> KernelConfig:
         ab_stages=getattr(args, "ab_stages", None) or 0,
         epi_stages=getattr(args, "epi_stages", None) or 0, in_stages=getattr(args, "in_stages", None) or 0,
         raster_along_m=_raster_along_m(getattr(args, "raster", "m")), swizzle=getattr(args, "swizzle", DEFAULT_SWIZZLE),
+        stage_tables=bool(getattr(args, "stage_tables", False)),
     ).check()
 
 
@@ -506,6 +507,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, several: bool = False) ->
                             "repeat for several operands")
     group.add_argument("--table-period", action="append", metavar="NAME=P",
                        help="column count P of a Table operand, baked into the kernel (default: read at run time)")
+    group.add_argument("--stage-tables", action="store_true",
+                       help="load Table operands' subtile slices into smem with TMA instead of gathering them (needs "
+                            "every table's --table-period; at run time, rows R a multiple of the tile's rows)")
     if not several:
         group.add_argument("--ab-stages", type=int, default=0, metavar="S",
                            help="mainloop stages, 2..8; fewer leave shared memory for deeper epilogue input rings "

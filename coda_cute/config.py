@@ -55,6 +55,10 @@ class KernelConfig:
     operand_dtypes: tuple[tuple[str, str], ...] = field(default=())
     #: Table operands' column periods P, baked in so `col % P` is cheap (unknown: P stays dynamic)
     table_periods: tuple[tuple[str, int], ...] = field(default=())
+    #: load each subtile's slice of every table operand into shared memory with TMA, like a tile
+    #: input, instead of gathering its elements from global memory: for tables whose rows R are
+    #: a multiple of the tile's rows (a tile's rows never wrap) and whose period P is known
+    stage_tables: bool = False
 
     def check(self) -> "KernelConfig":
         """Raise UnsupportedError naming the first field this generator cannot build."""
@@ -87,6 +91,8 @@ class KernelConfig:
                 raise UnsupportedError(f"{name} {depth!r}: expected 2..16 subtiles, or 0 for planned")
         if type(self.raster_along_m) is not bool:
             raise UnsupportedError(f"raster_along_m {self.raster_along_m!r}: expected True or False")
+        if type(self.stage_tables) is not bool:
+            raise UnsupportedError(f"stage_tables {self.stage_tables!r}: expected True or False")
         if type(self.swizzle) is not int or self.swizzle not in SWIZZLES:
             raise UnsupportedError(f"swizzle {self.swizzle!r}: expected one of {', '.join(map(str, SWIZZLES))}")
         return self
@@ -108,7 +114,8 @@ class KernelConfig:
                 raise UnsupportedError(f"operand {name!r}: dtype {dtype!r} is not one of bf16, f16, f32")
         periods = dict(self.table_periods)
         tables = tuple((op.name, periods[op.name]) for op in tensors if op.kind == "table" and op.name in periods)
-        return replace(self, operand_dtypes=dtypes, table_periods=tables)
+        staged = self.stage_tables and any(op.kind == "table" for op in tensors)
+        return replace(self, operand_dtypes=dtypes, table_periods=tables, stage_tables=staged)
 
     @property
     def sm_count(self) -> int:
@@ -122,7 +129,7 @@ class KernelConfig:
         return (self.arch, self.gpu, self.dtype, self.majors, tuple(self.tile), tuple(self.cluster),
                 self.schedule, self.raster_along_m, self.swizzle, self.ab_stages, self.epi_stages, self.in_stages,
                 tuple(self.operand_dtypes),
-                tuple(self.table_periods))
+                tuple(self.table_periods), self.stage_tables)
 
     def describe(self) -> str:
         return (f"{self.arch} {self.gpu} ({self.sm_count} SMs), {self.dtype} inputs, majors {self.majors}, "
@@ -131,7 +138,8 @@ class KernelConfig:
                 + f", swizzle {self.swizzle}"
                 + (f", {self.ab_stages} mainloop stages" if self.ab_stages else "")
                 + (f", output rings {self.epi_stages} deep" if self.epi_stages else "")
-                + (f", input rings {self.in_stages} deep" if self.in_stages else ""))
+                + (f", input rings {self.in_stages} deep" if self.in_stages else "")
+                + (", tables staged in smem" if self.stage_tables else ""))
 
 
 def parse_pair(text: str, what: str) -> tuple[int, int]:

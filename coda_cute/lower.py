@@ -283,11 +283,22 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
         ctx.host_params.append(dict(name=name, annotation="cute.Tensor", doc=f"{name} {shape} {dtype}{unread}"))
         if unread:
             continue
-        if op.kind == "tile":
+        staged = op.kind == "table" and config.stage_tables
+        if op.kind == "tile" or staged:
+            cols = int(ctx.epi_n * op.width)
+            if staged:
+                period = dict(config.table_periods).get(op.name)
+                if period is None:
+                    raise UnsupportedError(f"table {op.name!r}: staging it in smem (stage_tables) needs its period "
+                                           f"baked in (table_periods, --table-period {op.name}=P)")
+                if period % cols:
+                    raise UnsupportedError(f"table {op.name!r}: staging it in smem (stage_tables) moves {cols}-column "
+                                           f"slices, which must divide its period P = {period}")
             ctx.tile_inputs.append(dict(
-                label=f"{op.name} ({width_str(op.width)} wide, {dtype})", width=op.width, gmem=name,
+                label=f"{op.name} ({width_str(op.width)} wide, {dtype}{', a table' if staged else ''})",
+                width=op.width, gmem=name, table=staged,
                 smem=f"smem_in_{op.name}", tma=f"tma_in_{op.name}", view=f"view_in_{op.name}",
-                cute_dtype=f"cutlass.{CUTE_DTYPES[dtype]}", dtype=dtype, cols=int(ctx.epi_n * op.width),
+                cute_dtype=f"cutlass.{CUTE_DTYPES[dtype]}", dtype=dtype, cols=cols,
                 fast=_uses_fragments(op.width, dtype), xfer=f"s2r_in_{op.name}", frag=f"frag_in_{op.name}",
                 stages="IN_STAGES",
             ))
@@ -640,7 +651,10 @@ class _Body:
         name = f"in_{op.name}"
         if op.kind == "scalar":
             return [name]
-        if op.kind == "table":
+        if op.kind == "table" and self.config.stage_tables and self.lines is not self.ctx.body:
+            raise UnsupportedError(f"{node.describe()}: a segment reduction runs before the subtiles, so it cannot "
+                                   "read a table staged in smem (stage_tables)")
+        if op.kind == "table" and not self.config.stage_tables:
             cols = self.values(Node("col", (), (), "i32", op.width))
             if self.lines is not self.ctx.body:  # a whole-tile pass (segment reduction): load in place
                 return [_table_read(name, c) for c in cols]
@@ -650,12 +664,12 @@ class _Body:
                 self.ctx.tables.append(table)
             return [f"{table['frag']}[({_table_slot(len(cols), k)}, subtile % 2)]" for k in range(len(cols))]
         view = f"view_in_{op.name}"
-        wrap = "cutlass.Float32({})" if op.kind == "tile" else "{}"
+        wrap = "cutlass.Float32({})" if op.kind in ("tile", "table") else "{}"  # tables staged in smem
         if op.kind == "row":
             return [f"{view}[pair0]"]
         if op.width == HALF:
             return [wrap.format(f"{view}[pair0]")]
-        if op.kind == "tile" and _uses_fragments(op.width, operand_dtype(self.config, op.name)):
+        if op.kind in ("tile", "table") and _uses_fragments(op.width, operand_dtype(self.config, op.name)):
             return [f"cutlass.Float32(frag_in_{op.name}[slot{e}])" for e in (0, 1)]
         if op.width == ONE:
             return [wrap.format(f"{view}[pair{e}]") for e in (0, 1)]

@@ -43,6 +43,7 @@ def emit_command(program: Program, config: KernelConfig) -> str:
     parts += [f"--epi-stages {config.epi_stages}"] if config.epi_stages else []
     parts += [f"--in-stages {config.in_stages}"] if config.in_stages else []
     parts += [] if config.raster_along_m else ["--raster n"]
+    parts += ["--stage-tables"] if config.stage_tables else []
     return " ".join(parts)
 
 

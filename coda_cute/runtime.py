@@ -43,12 +43,14 @@ class Kernel:
     def __init__(self, program: Program, *, tile: tuple[int, int] | None = None,
                  cluster: tuple[int, int] | None = None, schedule: str | None = None, gpu: str | None = None,
                  ab_stages: int = 0, epi_stages: int = 0, in_stages: int = 0,
-                 raster_along_m: bool = True, swizzle: int = DEFAULT_SWIZZLE):
+                 raster_along_m: bool = True, swizzle: int = DEFAULT_SWIZZLE, stage_tables: bool = False):
         self.program = program
         self.tile, self.cluster, self.schedule, self.gpu = tile, cluster, schedule, gpu
         # mainloop stages and epilogue ring depths; 0: planned from the shared memory (KernelConfig)
         self.ab_stages, self.epi_stages, self.in_stages = ab_stages, epi_stages, in_stages
         self.raster_along_m, self.swizzle = raster_along_m, swizzle  # tile order (KernelConfig)
+        # Table operands through smem by TMA (KernelConfig.stage_tables): opt-in, not yet run on a GPU
+        self.stage_tables = stage_tables
         self.launches = 0
         self.last: Launch | None = None
         self._plans: dict = {}
@@ -63,12 +65,16 @@ class Kernel:
         table_periods = tuple((op.name, int(problem.operands[op.name].shape[1]))
                               for op in self.program.operands if op.kind == "table")
         tile, cluster, schedule = fill_config(problem, self.tile, self.cluster, self.schedule)
+        if self.stage_tables:
+            for op in self.program.operands:
+                if op.kind == "table":
+                    _check_stageable(op.name, problem.operands[op.name], tile[0])
         return KernelConfig(
             gpu=self.gpu or gpu_model(a.device), dtype=short_dtype(a.dtype), majors=majors,
             tile=tuple(tile), cluster=tuple(cluster), schedule=schedule,
             ab_stages=self.ab_stages, epi_stages=self.epi_stages, in_stages=self.in_stages,
             raster_along_m=self.raster_along_m, swizzle=self.swizzle,
-            operand_dtypes=operand_dtypes, table_periods=table_periods,
+            operand_dtypes=operand_dtypes, table_periods=table_periods, stage_tables=self.stage_tables,
         ).check()
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: dict | None = None,
@@ -257,6 +263,21 @@ def _row_stride_ok(t: torch.Tensor) -> bool:
 
 def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
+
+
+def _check_stageable(name: str, table: torch.Tensor, tile_m: int) -> None:
+    """Reject a table TMA cannot bring into smem in subtile slices (stage_tables): its rows R must
+    be a multiple of the tile's rows (a tile's rows never wrap), its period P a multiple of 32
+    columns (whole subtile slices), its rows and data 16-byte aligned."""
+    rows, period = table.shape
+    if rows % tile_m or period % 32:
+        raise ArgumentError(
+            f"table {name!r} is ({rows}, {period}); staged in smem (stage_tables) it needs rows that are a multiple "
+            f"of the tile's {tile_m} and a period that is a multiple of 32 (or stage_tables=False: gathered)"
+        )
+    if not _row_stride_ok(table) or not _aligned(table):
+        raise ArgumentError(f"table {name!r} (strides {table.stride()}): staged in smem (stage_tables) it needs "
+                            "unit column stride, 16-byte aligned rows and a 16-byte aligned data pointer")
 
 
 def check_kernel_arguments(problem: Problem, config: KernelConfig) -> None:

@@ -273,8 +273,10 @@ def _unused_locals(source: str) -> list[str]:
 
 @pytest.mark.parametrize("config", [KernelConfig(cluster=(1, 2)),
                                     KernelConfig(tile=(128, 192), cluster=(1, 2), schedule="pingpong"),
-                                    KernelConfig(tile=(64, 256), schedule="pingpong", ab_stages=3)],
-                         ids=["cooperative", "pingpong-128x192", "pingpong-64x256-ab3"])
+                                    KernelConfig(tile=(64, 256), schedule="pingpong", ab_stages=3),
+                                    KernelConfig(tile=(128, 192), cluster=(1, 2), schedule="pingpong",
+                                                 table_periods=(("cos", 64), ("sin", 64)), stage_tables=True)],
+                         ids=["cooperative", "pingpong-128x192", "pingpong-64x256-ab3", "staged-tables"])
 def test_emitted_source_has_no_dead_assignments(config):
     """Template residue check: every value the emitted kernel computes is used (e.g. the tile's
     coordinates only appear in epilogues that read them)."""
@@ -306,3 +308,33 @@ def test_an_operand_the_program_never_reads_is_taken_but_not_loaded(tmp_path):
     assert source.count("in_bias") == 2 and source.count("in_scale") == 2
     compiled = compile_program(ignores_bias, KernelConfig(), source_dir=tmp_path)
     assert compiled.function is not None
+
+
+@pytest.mark.parametrize("name,table_dtype,config", [
+    ("rope_qkv", "f32", KernelConfig(tile=(128, 192), cluster=(1, 2), schedule="pingpong")),
+    ("rope_qkv", "bf16", KernelConfig(tile=(128, 128), cluster=(1, 2), schedule="pingpong")),
+    ("rms_rope_qkv", "f32", KernelConfig(cluster=(1, 2))),
+], ids=["rope-f32-pingpong192", "rope-bf16-pingpong128", "rms_rope-f32-cooperative"])
+def test_staged_tables_load_by_tma_not_gathers(name, table_dtype, config, tmp_path):
+    """stage_tables: cos/sin slices reach smem by TMA (the epilogue input warp), the epilogue
+    issues no global loads of its own for them, and nothing spills."""
+    program = library.get(name).with_constants(rotary_cols=1024)
+    config = config.with_(table_periods=(("cos", 64), ("sin", 64)), stage_tables=True,
+                          operand_dtypes=(("cos", table_dtype), ("sin", table_dtype)))
+    source = emit(program, config)
+    assert "in_cos_block" in source and "frag_table_cos" not in source
+    compiled = compile_program(program, config, keep=("sass",), dump_dir=tmp_path / "dump",
+                               source_dir=tmp_path / "src", report=True)
+    sass = compiled.artifacts["sass"].read_text()
+    gathers = sass.count("LDG.E")
+    assert gathers == (1 if name == "rms_rope_qkv" else 0), f"{gathers} global loads (rstd's is the one expected)"
+    assert "UTMALDG" in sass and compiled.spill_bytes == 0
+
+
+def test_staging_tables_needs_their_period():
+    program = library.get("rope_qkv")
+    with pytest.raises(UnsupportedError, match="needs its period"):
+        lower(program, KernelConfig(stage_tables=True))
+    with pytest.raises(UnsupportedError, match="must divide its period P = 12"):
+        lower(program, KernelConfig(stage_tables=True, table_periods=(("cos", 12), ("sin", 12))))
+    assert not KernelConfig(stage_tables=True).resolved(library.get("gemm")).stage_tables  # no tables: one spelling

@@ -35,7 +35,8 @@ SHAPES = [(300, 528, 200), (1, 272, 16), (1000, 784, 136), (129, 1040, 520)]
 GUARD = 8  # poisoned rows/columns around every output
 
 
-def make_inputs(program: Program, m: int, n: int, k: int, dtype, gen: torch.Generator, majors: str = "kk"):
+def make_inputs(program: Program, m: int, n: int, k: int, dtype, gen: torch.Generator, majors: str = "kk",
+                table_rows: int = 37):
     """Random A, B and operands; distinct random vectors so a swapped broadcast shows up."""
     scale = k ** -0.25  # acc ~ N(0, 1)
     a = (torch.randn(m, k, generator=gen) * scale).to(dtype)
@@ -56,7 +57,7 @@ def make_inputs(program: Program, m: int, n: int, k: int, dtype, gen: torch.Gene
         elif op.kind == "tile":
             operands[op.name] = torch.randn(m, cols, generator=gen).to(dtype)
         else:
-            operands[op.name] = torch.randn(37, 64, generator=gen)
+            operands[op.name] = torch.randn(table_rows, 64, generator=gen)
     if "target" in operands:  # class indices for cross_entropy_stats
         operands["target"] = torch.randint(0, n, (m,), generator=gen).float()
     return a.cuda(), b.cuda(), {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in operands.items()}
@@ -95,9 +96,10 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, 
 
 
 def run_and_compare(program: Program, m: int, n: int, k: int, dtype=torch.bfloat16, majors="kk",
-                    tile=None, cluster=None, schedule=None, seed=0, ab_stages=0, operand_dtypes=None, **order):
+                    tile=None, cluster=None, schedule=None, seed=0, ab_stages=0, operand_dtypes=None, table_rows=37,
+                    **order):
     gen = torch.Generator().manual_seed(seed * 7919 + m * 31 + n * 17 + k)
-    a, b, operands = make_inputs(program, m, n, k, dtype, gen, majors)
+    a, b, operands = make_inputs(program, m, n, k, dtype, gen, majors, table_rows)
     for name, operand_dtype in (operand_dtypes or {}).items():
         operands[name] = operands[name].to(operand_dtype)
     kernel = Kernel(program, tile=tile, cluster=cluster, schedule=schedule, ab_stages=ab_stages, **order)
@@ -105,6 +107,8 @@ def run_and_compare(program: Program, m: int, n: int, k: int, dtype=torch.bfloat
     result = kernel(a, b, out=views, return_partials=True, **operands)
     torch.cuda.synchronize()
     assert kernel.last.path == "kernel" and kernel.launches == 1, "the generated kernel did not run"
+    if any(op.kind == "table" for op in program.operands):
+        assert kernel.last.config.stage_tables == order.get("stage_tables", False)
     outputs, partials = result
     ref = cc.evaluate(program, a, b, operands, tile=kernel.last.config.tile)
     for out in program.tile_outputs:
@@ -304,3 +308,16 @@ def test_cuda_graph_capture_of_a_warm_kernel_and_refusal_when_cold():
         with torch.cuda.stream(stream):
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
                 cold(a, b, **ops)
+
+
+@pytest.mark.parametrize("name,table_dtype,tile,cluster,schedule", [
+    ("rope_qkv", torch.float32, (128, 192), (1, 2), "pingpong"),
+    ("rope_qkv", torch.bfloat16, (128, 128), (1, 2), "pingpong"),
+    ("rope_qkv", torch.float32, (128, 256), (2, 1), "cooperative"),
+    ("rms_rope_qkv", torch.float32, (128, 192), (1, 2), "pingpong"),
+])
+def test_tables_staged_in_smem(name, table_dtype, tile, cluster, schedule):
+    """stage_tables: tables of 256 rows (two 128-row blocks) reach smem by TMA, one slice per
+    subtile: tile rows map to table row block tile_m mod 2, columns wrap at P = 64 many times."""
+    run_and_compare(_sized(name, 1040), 700, 1040, 136, tile=tile, cluster=cluster, schedule=schedule, table_rows=256,
+                    operand_dtypes={"cos": table_dtype, "sin": table_dtype}, stage_tables=True)

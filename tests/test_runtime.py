@@ -114,3 +114,22 @@ def test_kernel_passes_the_tile_order_and_checks_it():
     assert config.describe().endswith("raster along N, swizzle 4")
     with pytest.raises(UnsupportedError, match="swizzle 3: expected one of 1, 2, 4, 8"):
         Kernel(program, gpu="H200", swizzle=3).config_for(problem)
+
+
+def test_staged_tables_are_opt_in_and_checked():
+    """stage_tables is the caller's choice (the runtime gathers by default); a table TMA cannot
+    slice is refused, naming it, before anything compiles."""
+    program = library.get("rope_qkv")
+    a, b = torch.randn(300, 64, dtype=torch.bfloat16), torch.randn(512, 64, dtype=torch.bfloat16)
+
+    def config(cos_shape, **kwargs):
+        tables = {"cos": torch.randn(*cos_shape), "sin": torch.randn(256, 64)}
+        return Kernel(program, gpu="H200", **kwargs).config_for(bind(program, a, b, tables))
+
+    assert not config((256, 64)).stage_tables
+    staged = config((256, 64), stage_tables=True)
+    assert staged.stage_tables and staged.describe().endswith("tables staged in smem")
+    with pytest.raises(cc.ArgumentError, match=r"table 'cos' is \(200, 64\); staged in smem .* multiple of the tile's 128"):
+        config((200, 64), stage_tables=True)
+    with pytest.raises(cc.ArgumentError, match="period that is a multiple of 32"):
+        config((256, 48), stage_tables=True)
