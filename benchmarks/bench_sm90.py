@@ -225,9 +225,14 @@ def main():
                 if args.variants and not any(v in label for v in args.variants):
                     continue
                 try:  # a choice that does not fit this program is reported, not timed
-                    variant(a, b, **operands)
+                    got = variant(a, b, **operands)
                 except cc.UnsupportedError as exc:
                     print(f"{name}: {label} not timed: {exc}", flush=True)
+                    continue
+                try:  # nor is one that computes something else
+                    _check(f"{name} ({label})", got, want)
+                except AssertionError as exc:
+                    print(f"{name}: {label} NOT timed, wrong result: {exc}", flush=True)
                     continue
                 contenders[f"coda-cute {label}"] = lambda k=variant: k(a, b, **operands)
             for mode in args.compile_modes:
