@@ -211,6 +211,10 @@ def _check_supported(program: Program, config: KernelConfig) -> None:
             )
         if out.axis == "col" and out.reduce == "logsumexp":
             raise UnsupportedError(f"output {out.name!r}: column logsumexp is not lowered to sm_90a yet (row logsumexp is)")
+    if config.stage_tables and tables_in_segment_reductions(program):
+        raise UnsupportedError(f"tables {sorted(tables_in_segment_reductions(program))}: a segment reduction runs over "
+                               "the whole tile before the subtiles, so it cannot read a table staged in smem "
+                               "(stage_tables)")
     for node in program.nodes:
         if node.op != "segreduce":
             continue
@@ -227,6 +231,13 @@ def _check_supported(program: Program, config: KernelConfig) -> None:
                     f"{node.describe()}: a segment reduction runs over the whole tile before the subtiles stream "
                     f"through smem, so it cannot read {inner.describe()} (a tile operand or another segment reduction)"
                 )
+
+
+def tables_in_segment_reductions(program: Program) -> set[str]:
+    """Table operands some segment reduction reads: those are never staged in smem (a segment
+    reduction runs over the whole tile before any subtile's slice arrives)."""
+    return {inner.attrs[0] for node in program.nodes if node.op == "segreduce" for inner in _subgraph(node.args[0])
+            if inner.op == "load" and program.operand(inner.attrs[0]).kind == "table"}
 
 
 def _subgraph(root: Node) -> list[Node]:
@@ -651,9 +662,6 @@ class _Body:
         name = f"in_{op.name}"
         if op.kind == "scalar":
             return [name]
-        if op.kind == "table" and self.config.stage_tables and self.lines is not self.ctx.body:
-            raise UnsupportedError(f"{node.describe()}: a segment reduction runs before the subtiles, so it cannot "
-                                   "read a table staged in smem (stage_tables)")
         if op.kind == "table" and not self.config.stage_tables:
             cols = self.values(Node("col", (), (), "i32", op.width))
             if self.lines is not self.ctx.body:  # a whole-tile pass (segment reduction): load in place

@@ -23,6 +23,7 @@ from . import reference
 from .arguments import Problem, bind, short_dtype
 from .config import DEFAULT_SWIZZLE, GPUS, KernelConfig
 from .errors import ArgumentError, UnsupportedError
+from .lower import tables_in_segment_reductions
 from .program import Program, width_str
 
 _GPU_NAMES = {"H200": "H200", "H100 PCIe": "H100-PCIe", "H100": "H100", "H800": "H800", "H20": "H20"}
@@ -43,13 +44,15 @@ class Kernel:
     def __init__(self, program: Program, *, tile: tuple[int, int] | None = None,
                  cluster: tuple[int, int] | None = None, schedule: str | None = None, gpu: str | None = None,
                  ab_stages: int = 0, epi_stages: int = 0, in_stages: int = 0,
-                 raster_along_m: bool = True, swizzle: int = DEFAULT_SWIZZLE, stage_tables: bool = False):
+                 raster_along_m: bool = True, swizzle: int = DEFAULT_SWIZZLE, stage_tables: bool | None = None):
         self.program = program
         self.tile, self.cluster, self.schedule, self.gpu = tile, cluster, schedule, gpu
         # mainloop stages and epilogue ring depths; 0: planned from the shared memory (KernelConfig)
         self.ab_stages, self.epi_stages, self.in_stages = ab_stages, epi_stages, in_stages
         self.raster_along_m, self.swizzle = raster_along_m, swizzle  # tile order (KernelConfig)
-        # Table operands through smem by TMA (KernelConfig.stage_tables): opt-in, not yet run on a GPU
+        # Table operands through smem by TMA (KernelConfig.stage_tables). None: wherever the call's
+        # tables allow it (stageable_tables), else gathered; True: required (a table that cannot
+        # be staged is an ArgumentError); False: always gathered
         self.stage_tables = stage_tables
         self.launches = 0
         self.last: Launch | None = None
@@ -65,16 +68,19 @@ class Kernel:
         table_periods = tuple((op.name, int(problem.operands[op.name].shape[1]))
                               for op in self.program.operands if op.kind == "table")
         tile, cluster, schedule = fill_config(problem, self.tile, self.cluster, self.schedule)
-        if self.stage_tables:
-            for op in self.program.operands:
-                if op.kind == "table":
-                    _check_stageable(op.name, problem.operands[op.name], tile[0])
+        staged = self.stage_tables
+        if staged is None:
+            staged = stageable_tables(self.program, problem, tile[0]) is None
+        elif staged:
+            reason = stageable_tables(self.program, problem, tile[0])
+            if reason:
+                raise ArgumentError(f"{reason} (or stage_tables=False: gathered)")
         return KernelConfig(
             gpu=self.gpu or gpu_model(a.device), dtype=short_dtype(a.dtype), majors=majors,
             tile=tuple(tile), cluster=tuple(cluster), schedule=schedule,
             ab_stages=self.ab_stages, epi_stages=self.epi_stages, in_stages=self.in_stages,
             raster_along_m=self.raster_along_m, swizzle=self.swizzle,
-            operand_dtypes=operand_dtypes, table_periods=table_periods, stage_tables=self.stage_tables,
+            operand_dtypes=operand_dtypes, table_periods=table_periods, stage_tables=staged,
         ).check()
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: dict | None = None,
@@ -107,7 +113,15 @@ class Kernel:
         config = self.config_for(problem)
         check_kernel_arguments(problem, config)
         check_outputs(problem, out or {})
-        entry = get_kernel(self.program, config)
+        try:
+            entry = get_kernel(self.program, config)
+        except UnsupportedError:
+            if not config.stage_tables or self.stage_tables:
+                raise
+            # staging chosen here, not asked for: where the staged tables' rings leave the
+            # mainloop too little shared memory (explicit ab_stages), gather them instead
+            config = config.with_(stage_tables=False)
+            entry = get_kernel(self.program, config)
         return CallPlan.build(self.program, problem, config, entry.function, entry.key)
 
 
@@ -265,19 +279,28 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
-def _check_stageable(name: str, table: torch.Tensor, tile_m: int) -> None:
-    """Reject a table TMA cannot bring into smem in subtile slices (stage_tables): its rows R must
-    be a multiple of the tile's rows (a tile's rows never wrap), its period P a multiple of 32
-    columns (whole subtile slices), its rows and data 16-byte aligned."""
-    rows, period = table.shape
-    if rows % tile_m or period % 32:
-        raise ArgumentError(
-            f"table {name!r} is ({rows}, {period}); staged in smem (stage_tables) it needs rows that are a multiple "
-            f"of the tile's {tile_m} and a period that is a multiple of 32 (or stage_tables=False: gathered)"
-        )
-    if not _row_stride_ok(table) or not _aligned(table):
-        raise ArgumentError(f"table {name!r} (strides {table.stride()}): staged in smem (stage_tables) it needs "
-                            "unit column stride, 16-byte aligned rows and a 16-byte aligned data pointer")
+def stageable_tables(program: Program, problem: Problem, tile_m: int) -> str | None:
+    """None if TMA can bring every table operand of this call into smem in subtile slices
+    (KernelConfig.stage_tables), else why not, naming the table: its rows R must be a multiple
+    of the tile's rows (a tile's rows never wrap), its period P a multiple of 32 columns (whole
+    subtile slices), its rows and data 16-byte aligned, and no segment reduction may read it
+    (those run over the whole tile before any slice arrives)."""
+    tables = [op for op in program.operands if op.kind == "table"]
+    if not tables:
+        return "the program has no table operands"
+    in_segments = tables_in_segment_reductions(program)
+    for op in tables:
+        table = problem.operands[op.name]
+        rows, period = table.shape
+        if op.name in in_segments:
+            return f"table {op.name!r} is read by a segment reduction, which cannot read a table staged in smem"
+        if rows % tile_m or period % 32:
+            return (f"table {op.name!r} is ({rows}, {period}); staged in smem it needs rows that are a multiple "
+                    f"of the tile's {tile_m} and a period that is a multiple of 32")
+        if not _row_stride_ok(table) or not _aligned(table):
+            return (f"table {op.name!r} (strides {table.stride()}): staged in smem it needs unit column stride, "
+                    "16-byte aligned rows and a 16-byte aligned data pointer")
+    return None
 
 
 def check_kernel_arguments(problem: Problem, config: KernelConfig) -> None:

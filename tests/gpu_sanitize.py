@@ -4,7 +4,8 @@
     compute-sanitizer --tool memcheck python tests/gpu_sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py
 
-Shapes are small and ragged (every tile edge is exercised); both schedules run.
+Shapes are small and ragged (every tile edge is exercised); both schedules run, and tables
+both gathered and staged in smem.
 """
 
 import sys
@@ -24,7 +25,11 @@ CONFIGS = [("cooperative", (128, 128), (1, 1), 200, 272), ("pingpong", (64, 128)
 for schedule, tile, cluster, m, n in CONFIGS:
     for name in _gpu_programs():
         program = _sized(name, n)
-        a, b, ops = make_inputs(program, m, n, 72, torch.bfloat16, torch.Generator().manual_seed(1))
-        Kernel(program, tile=tile, cluster=cluster, schedule=schedule)(a, b, **ops)
-        torch.cuda.synchronize()
-        print(f"{schedule:12s} {tile} {cluster} {name}: ok", flush=True)
+        # tables of 37 rows are gathered; of 256 rows (a multiple of every tile's rows), staged in smem
+        for rows in (37, 256) if any(op.kind == "table" for op in program.operands) else (37,):
+            a, b, ops = make_inputs(program, m, n, 72, torch.bfloat16, torch.Generator().manual_seed(1), table_rows=rows)
+            kernel = Kernel(program, tile=tile, cluster=cluster, schedule=schedule)
+            kernel(a, b, **ops)
+            torch.cuda.synchronize()
+            print(f"{schedule:12s} {tile} {cluster} {name}{' (tables staged)' * kernel.last.config.stage_tables}: ok",
+                  flush=True)

@@ -11,6 +11,7 @@ from coda_cute import library, reference
 from coda_cute.arguments import bind
 from coda_cute.config import DEFAULT_SWIZZLE, KernelConfig
 from coda_cute.errors import UnsupportedError
+from coda_cute.lower import lower
 from coda_cute.runtime import CallPlan, Kernel, _signature
 
 
@@ -116,20 +117,40 @@ def test_kernel_passes_the_tile_order_and_checks_it():
         Kernel(program, gpu="H200", swizzle=3).config_for(problem)
 
 
-def test_staged_tables_are_opt_in_and_checked():
-    """stage_tables is the caller's choice (the runtime gathers by default); a table TMA cannot
-    slice is refused, naming it, before anything compiles."""
+def test_tables_are_staged_wherever_they_allow_it():
+    """By default tables reach smem by TMA wherever TMA can slice them, and are gathered
+    otherwise; stage_tables=True requires it (a table that cannot be staged is refused, naming
+    it, before anything compiles) and False always gathers."""
     program = library.get("rope_qkv")
     a, b = torch.randn(300, 64, dtype=torch.bfloat16), torch.randn(512, 64, dtype=torch.bfloat16)
 
-    def config(cos_shape, **kwargs):
-        tables = {"cos": torch.randn(*cos_shape), "sin": torch.randn(256, 64)}
+    def config(cos, **kwargs):
+        cos = torch.randn(*cos) if isinstance(cos, tuple) else cos
+        tables = {"cos": cos, "sin": torch.randn(256, 64)}
         return Kernel(program, gpu="H200", **kwargs).config_for(bind(program, a, b, tables))
 
-    assert not config((256, 64)).stage_tables
-    staged = config((256, 64), stage_tables=True)
+    staged = config((256, 64))
     assert staged.stage_tables and staged.describe().endswith("tables staged in smem")
-    with pytest.raises(cc.ArgumentError, match=r"table 'cos' is \(200, 64\); staged in smem .* multiple of the tile's 128"):
-        config((200, 64), stage_tables=True)
-    with pytest.raises(cc.ArgumentError, match="period that is a multiple of 32"):
-        config((256, 48), stage_tables=True)
+    assert config((256, 64), stage_tables=True) == staged
+    assert not config((256, 64), stage_tables=False).stage_tables
+    unaligned = torch.randn(256, 65)[:, :64]  # rows 260 bytes apart
+    for cos, why in (((200, 64), r"table 'cos' is \(200, 64\); staged in smem .* multiple of the tile's 128"),
+                     ((256, 48), "period that is a multiple of 32"),
+                     (unaligned, r"table 'cos' \(strides \(65, 1\)\): .* 16-byte aligned rows")):
+        assert not config(cos).stage_tables  # gathered
+        with pytest.raises(cc.ArgumentError, match=why):
+            config(cos, stage_tables=True)
+
+
+def test_tables_read_by_segment_reductions_are_gathered():
+    @cc.epilogue
+    def segment_of_table(acc, t: cc.Table):
+        return acc - cc.row_max(acc * t, segment=8)
+
+    a, b = torch.randn(256, 64, dtype=torch.bfloat16), torch.randn(512, 64, dtype=torch.bfloat16)
+    problem = bind(segment_of_table, a, b, {"t": torch.randn(256, 64)})
+    assert not Kernel(segment_of_table, gpu="H200").config_for(problem).stage_tables
+    with pytest.raises(cc.ArgumentError, match="table 't' is read by a segment reduction"):
+        Kernel(segment_of_table, gpu="H200", stage_tables=True).config_for(problem)
+    with pytest.raises(UnsupportedError, match=r"tables \['t'\]: a segment reduction .* cannot read a table staged"):
+        lower(segment_of_table, KernelConfig(stage_tables=True, table_periods=(("t", 64),)))
