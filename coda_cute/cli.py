@@ -509,7 +509,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, several: bool = False) ->
                        help="column count P of a Table operand, baked into the kernel (default: read at run time)")
     group.add_argument("--stage-tables", action="store_true",
                        help="load Table operands' subtile slices into smem with TMA instead of gathering them (needs "
-                            "every table's --table-period; at run time, rows R a multiple of the tile's rows)")
+                            "every table's --table-period; the runtime does this for tables whose rows R are a "
+                            "multiple of the tile's rows, P a multiple of 32)")
     if not several:
         group.add_argument("--ab-stages", type=int, default=0, metavar="S",
                            help="mainloop stages, 2..8; fewer leave shared memory for deeper epilogue input rings "
