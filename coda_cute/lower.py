@@ -374,6 +374,15 @@ def _view_lanes(width: Fraction) -> list[str]:
     return ["_0", "_1"] if width == TWO else [""]
 
 
+def fits_shared_memory(program: Program, config: KernelConfig) -> bool:
+    """Whether the epilogue rings and mainloop stages ``config`` asks for fit the SM's shared memory."""
+    try:
+        _plan_smem(program, config)
+    except UnsupportedError:
+        return False
+    return True
+
+
 def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, int, int]:
     """Pick the epilogue subtile width and the stage counts that fit the SM's shared memory:
     (context, EPI_STAGES, IN_STAGES, AB_STAGES).

@@ -23,7 +23,7 @@ from . import reference
 from .arguments import Problem, bind, short_dtype
 from .config import DEFAULT_SWIZZLE, GPUS, KernelConfig
 from .errors import ArgumentError, UnsupportedError
-from .lower import tables_in_segment_reductions
+from .lower import fits_shared_memory, tables_in_segment_reductions
 from .program import Program, width_str
 
 _GPU_NAMES = {"H200": "H200", "H100 PCIe": "H100-PCIe", "H100": "H100", "H800": "H800", "H20": "H20"}
@@ -75,13 +75,18 @@ class Kernel:
             reason = stageable_tables(self.program, problem, tile[0])
             if reason:
                 raise ArgumentError(f"{reason} (or stage_tables=False: gathered)")
-        return KernelConfig(
+        config = KernelConfig(
             gpu=self.gpu or gpu_model(a.device), dtype=short_dtype(a.dtype), majors=majors,
             tile=tuple(tile), cluster=tuple(cluster), schedule=schedule,
             ab_stages=self.ab_stages, epi_stages=self.epi_stages, in_stages=self.in_stages,
             raster_along_m=self.raster_along_m, swizzle=self.swizzle,
             operand_dtypes=operand_dtypes, table_periods=table_periods, stage_tables=staged,
         ).check()
+        if staged and self.stage_tables is None and not fits_shared_memory(self.program, config):
+            # chosen here, not asked for: where the tables' rings do not fit beside the stages
+            # and rings the caller fixed (ab_stages with epi_stages), gather them instead
+            config = config.with_(stage_tables=False)
+        return config
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: dict | None = None,
                  return_partials: bool = False, **operands):
@@ -113,15 +118,7 @@ class Kernel:
         config = self.config_for(problem)
         check_kernel_arguments(problem, config)
         check_outputs(problem, out or {})
-        try:
-            entry = get_kernel(self.program, config)
-        except UnsupportedError:
-            if not config.stage_tables or self.stage_tables:
-                raise
-            # staging chosen here, not asked for: where the staged tables' rings leave the
-            # mainloop too little shared memory (explicit ab_stages), gather them instead
-            config = config.with_(stage_tables=False)
-            entry = get_kernel(self.program, config)
+        entry = get_kernel(self.program, config)
         return CallPlan.build(self.program, problem, config, entry.function, entry.key)
 
 

@@ -133,6 +133,8 @@ def test_tables_are_staged_wherever_they_allow_it():
     assert staged.stage_tables and staged.describe().endswith("tables staged in smem")
     assert config((256, 64), stage_tables=True) == staged
     assert not config((256, 64), stage_tables=False).stage_tables
+    # rings the caller fixed that fit only beside gathered tables: gathered
+    assert not config((256, 64), tile=(128, 256), ab_stages=4, epi_stages=8).stage_tables
     unaligned = torch.randn(256, 65)[:, :64]  # rows 260 bytes apart
     for cos, why in (((200, 64), r"table 'cos' is \(200, 64\); staged in smem .* multiple of the tile's 128"),
                      ((256, 48), "period that is a multiple of 32"),
