@@ -246,7 +246,9 @@ def default_tile(problem: Problem, schedule: str | None = None) -> tuple[tuple[i
     # measured on H200 (benchmarks/results, d = 4096): 128x256 with a 1x2 cluster leads for the
     # GEMM and light epilogues; ping-pong 128x192, where one warpgroup's epilogue runs while the
     # other's WGMMAs keep the tensor cores busy, leads where the epilogue is heavy (SwiGLU bwd
-    # 1.53 vs 1.72 ms, RoPE 0.67 vs 0.70) and loses a few % elsewhere (smaller tile)
+    # 1.53 vs 1.72 ms, RoPE 0.67 vs 0.70; RMS + SwiGLU + save 0.863 vs 0.931 at d = 2048, 2.903
+    # vs 3.128 at d = 4096, even at d = 8192) and loses a few % elsewhere (smaller tile; for
+    # residual + sumsq and RMSNorm backward, whose epilogues wait on tile inputs)
     cluster = (1, 2) if problem.n > 256 else (2, 1) if problem.m > 128 else (1, 1)
     heavy = _heavy_epilogue(problem.program)
     if schedule == "pingpong":
@@ -259,11 +261,14 @@ def default_tile(problem: Problem, schedule: str | None = None) -> tuple[tuple[i
 
 
 def _heavy_epilogue(program) -> bool:
-    """Whether the epilogue reads or writes 2N-wide tiles (SwiGLU backward) or gathers from
-    tables per element (RoPE), and has no segment reductions (whose segments, e.g. 128-column
-    heads, need not divide 192 columns)."""
+    """Whether the epilogue reads or writes 2N-wide tiles (SwiGLU backward), reads tables
+    (RoPE), or writes more than N columns per row without reading tile inputs (SwiGLU with its
+    saved pre-activation: N/2 + N), and has no segment reductions (whose segments, e.g.
+    128-column heads, need not divide 192 columns)."""
     heavy = [op for op in program.operands if op.kind == "table" or (op.kind == "tile" and op.width == 2)]
     heavy += [out for out in program.tile_outputs if out.node.width == 2]
+    tile_inputs = any(op.kind == "tile" for op in program.operands)
+    heavy += [] if tile_inputs or sum(out.node.width for out in program.tile_outputs) <= 1 else ["wide stores"]
     return bool(heavy) and not program.uses("segreduce")
 
 

@@ -103,6 +103,21 @@ def test_kernel_fills_only_what_the_caller_left_out(given, want):
     assert (config.tile, config.cluster, config.schedule) == want
 
 
+@pytest.mark.parametrize("name,schedule", [
+    ("gemm", "cooperative"), ("swiglu", "cooperative"), ("residual_sumsq", "cooperative"),
+    ("rmsnorm_bwd_residual", "cooperative"),  # 2N of outputs, but its epilogue waits on tile inputs
+    ("rms_swiglu_save", "pingpong"), ("swiglu_save", "pingpong"),  # N/2 + N of stores per row
+    ("swiglu_bwd", "pingpong"), ("rope_qkv", "pingpong"), ("qk_rmsnorm", "cooperative"),
+])
+def test_default_schedule_per_program(name, schedule):
+    """Ping-pong 128x192 where the epilogue is heavy (measured, benchmarks/results), else
+    cooperative 128x256, for a large problem."""
+    from coda_cute.cli import runtime_defaults
+
+    assert runtime_defaults(library.get(name)) == (((128, 192) if schedule == "pingpong" else (128, 256)), (1, 2),
+                                                   schedule)
+
+
 def test_kernel_passes_the_tile_order_and_checks_it():
     program = library.get("gemm")
     a, b = torch.randn(256, 64, dtype=torch.bfloat16), torch.randn(512, 64, dtype=torch.bfloat16)
