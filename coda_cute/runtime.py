@@ -68,13 +68,12 @@ class Kernel:
         table_periods = tuple((op.name, int(problem.operands[op.name].shape[1]))
                               for op in self.program.operands if op.kind == "table")
         tile, cluster, schedule = fill_config(problem, self.tile, self.cluster, self.schedule)
-        staged = self.stage_tables
-        if staged is None:
-            staged = stageable_tables(self.program, problem, tile[0]) is None
-        elif staged:
+        staged = self.stage_tables is not False and any(op.kind == "table" for op in self.program.operands)
+        if staged:
             reason = stageable_tables(self.program, problem, tile[0])
-            if reason:
+            if reason and self.stage_tables:
                 raise ArgumentError(f"{reason} (or stage_tables=False: gathered)")
+            staged = reason is None
         config = KernelConfig(
             gpu=self.gpu or gpu_model(a.device), dtype=short_dtype(a.dtype), majors=majors,
             tile=tuple(tile), cluster=tuple(cluster), schedule=schedule,
@@ -265,11 +264,12 @@ def _heavy_epilogue(program) -> bool:
     (RoPE), or writes more than N columns per row without reading tile inputs (SwiGLU with its
     saved pre-activation: N/2 + N), and has no segment reductions (whose segments, e.g.
     128-column heads, need not divide 192 columns)."""
-    heavy = [op for op in program.operands if op.kind == "table" or (op.kind == "tile" and op.width == 2)]
-    heavy += [out for out in program.tile_outputs if out.node.width == 2]
+    tables = any(op.kind == "table" for op in program.operands)
+    wide = any(op.kind == "tile" and op.width == 2 for op in program.operands)
+    wide = wide or any(out.node.width == 2 for out in program.tile_outputs)
     tile_inputs = any(op.kind == "tile" for op in program.operands)
-    heavy += [] if tile_inputs or sum(out.node.width for out in program.tile_outputs) <= 1 else ["wide stores"]
-    return bool(heavy) and not program.uses("segreduce")
+    wide_stores = not tile_inputs and sum(out.node.width for out in program.tile_outputs) > 1
+    return (tables or wide or wide_stores) and not program.uses("segreduce")
 
 
 # ----------------------------------------------------------------------------- checks
@@ -287,11 +287,8 @@ def stageable_tables(program: Program, problem: Problem, tile_m: int) -> str | N
     of the tile's rows (a tile's rows never wrap), its period P a multiple of 32 columns (whole
     subtile slices), its rows and data 16-byte aligned, and no segment reduction may read it
     (those run over the whole tile before any slice arrives)."""
-    tables = [op for op in program.operands if op.kind == "table"]
-    if not tables:
-        return "the program has no table operands"
     in_segments = tables_in_segment_reductions(program)
-    for op in tables:
+    for op in (op for op in program.operands if op.kind == "table"):
         table = problem.operands[op.name]
         rows, period = table.shape
         if op.name in in_segments:

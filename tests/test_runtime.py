@@ -148,6 +148,8 @@ def test_tables_are_staged_wherever_they_allow_it():
     assert staged.stage_tables and staged.describe().endswith("tables staged in smem")
     assert config((256, 64), stage_tables=True) == staged
     assert not config((256, 64), stage_tables=False).stage_tables
+    gemm = library.get("gemm")  # no tables: nothing to stage, whatever was asked
+    assert not Kernel(gemm, gpu="H200", stage_tables=True).config_for(bind(gemm, a, b, {})).stage_tables
     # rings the caller fixed that fit only beside gathered tables: gathered
     assert not config((256, 64), tile=(128, 256), ab_stages=4, epi_stages=8).stage_tables
     unaligned = torch.randn(256, 65)[:, :64]  # rows 260 bytes apart
