@@ -211,10 +211,10 @@ def _check_supported(program: Program, config: KernelConfig) -> None:
             )
         if out.axis == "col" and out.reduce == "logsumexp":
             raise UnsupportedError(f"output {out.name!r}: column logsumexp is not lowered to sm_90a yet (row logsumexp is)")
-    if config.stage_tables and tables_in_segment_reductions(program):
-        raise UnsupportedError(f"tables {sorted(tables_in_segment_reductions(program))}: a segment reduction runs over "
-                               "the whole tile before the subtiles, so it cannot read a table staged in smem "
-                               "(stage_tables)")
+    in_segments = tables_in_segment_reductions(program) if config.stage_tables else set()
+    if in_segments:
+        raise UnsupportedError(f"tables {sorted(in_segments)}: a segment reduction runs over the whole tile before "
+                               "the subtiles, so it cannot read a table staged in smem (stage_tables)")
     for node in program.nodes:
         if node.op != "segreduce":
             continue
