@@ -12,6 +12,8 @@
 #   bash benchmarks/h200_run.sh block [D ...]  # Llama MLP and block, forward + backward
 #                                             # (MODES="default max-autotune-no-cudagraphs": torch.compile
 #                                             # modes; CASES="MLP block LM": only those cases)
+#   bash benchmarks/h200_run.sh clocks [D]  # SM clock and board power per fused op vs its GEMM
+#                                           # (OPS as for ops)
 #   bash benchmarks/h200_run.sh sanitize  # compute-sanitizer memcheck + racecheck over the library
 #   bash benchmarks/h200_run.sh profile [D [OP]]  # Nsight Compute: one fused op (a bench_sm90 name's
 #                                                 # start) beside our GEMM and cuBLAS; log in $OUT
@@ -21,7 +23,7 @@
 # there). Each step fits the device tool's 10-minute limit at one d (`ops D default
 # max-autotune-no-cudagraphs` took 2.5-4 minutes per d on 2026-12-03, most of it compiling).
 set -u
-step=${1:?tests, runtime, ops, variants, block, sanitize or profile}
+step=${1:?tests, runtime, ops, variants, block, clocks, sanitize or profile}
 shift
 out=${OUT:-h200-out}
 mkdir -p "$out"
@@ -57,6 +59,9 @@ case $step in
   block)
     python benchmarks/bench_block.py --d "${@:-4096}" --compile-modes ${MODES:-default} \
       ${CASES:+--cases $CASES} --out "$out/block${CASES:+-$(echo $CASES | tr " " -)}.json" ;;
+  clocks)
+    python benchmarks/clocks.py --d "${1:-2048}" ${OPS:+--ops $OPS} \
+      --out "$out/clocks-d${1:-2048}${OPS:+-$(echo "$OPS" | tr -c 'A-Za-z0-9\n' _)}.json" ;;
   sanitize)
     python tests/gpu_sanitize.py > "$out/sanitize-warm.log" 2>&1 || { tail -n 20 "$out/sanitize-warm.log"; exit 1; }
     for tool in memcheck racecheck; do
@@ -79,6 +84,6 @@ case $step in
     grep -E "^  [a-zA-Z_].*\(|Duration" "$rep.txt" | head -n 20
     python benchmarks/ncu_stalls.py "$rep-sass.csv" --top 12 | tee "$rep-stalls.txt" ;;
   *)
-    echo "unknown step $step: tests, runtime, ops, variants, block, sanitize or profile" >&2
+    echo "unknown step $step: tests, runtime, ops, variants, block, clocks, sanitize or profile" >&2
     exit 2 ;;
 esac
