@@ -11,9 +11,7 @@ over the same loop (no L2 flush between calls, unlike bench_sm90's timings).
 """
 
 import argparse
-import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -22,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sm90 import SHAPES, _check, _commit, ops_for  # noqa: E402
+from bench_sm90 import SHAPES, _check, _write, ops_for  # noqa: E402
 
 import coda_cute as cc  # noqa: E402
 from coda_cute import library  # noqa: E402
@@ -66,12 +64,13 @@ def main():
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
+    plain = cc.Kernel(library.get("gemm"))
     for name, program, a, b, operands, fn in ops_for(args.d, args.m):
         if program.name == "gemm" or (args.ops and not any(o in name for o in args.ops)):
             continue
-        fused, plain = cc.Kernel(program), cc.Kernel(library.get("gemm"))
+        fused = cc.Kernel(program)
         _check(name, fused(a, b, **operands), fn(a, b, **operands))  # the kernel computes the op
-        row = {"op": name, "config": fused.last.config.describe()}
+        row = {"d": args.d, "op": name, "M": args.m, "config": fused.last.config.describe()}
         for label, launch in (("coda-cute", lambda: fused(a, b, **operands)), ("coda-cute GEMM alone", lambda: plain(a, b)),
                               ("cuBLAS GEMM alone", lambda: a @ b.t())):
             row[label] = sample(launch, args.seconds)
@@ -81,10 +80,7 @@ def main():
               f"our GEMM {gemm['ms_per_call']:.4f} ms at {gemm['sm_mhz']:.0f} MHz, {gemm['power_w']:.0f} W | "
               f"time x{ours['ms_per_call'] / gemm['ms_per_call']:.3f}, clock x{gemm['sm_mhz'] / ours['sm_mhz']:.3f}",
               flush=True)
-        meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "commit": _commit(),
-                "command": "python " + " ".join(map(shlex.quote, sys.argv)), "d": args.d, "m": args.m}
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        _write(args, rows)  # after every op, as bench_sm90 does
 
 
 if __name__ == "__main__":
