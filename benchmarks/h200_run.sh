@@ -27,6 +27,7 @@ step=${1:?tests, runtime, ops, variants, block, clocks, sanitize or profile}
 shift
 out=${OUT:-h200-out}
 mkdir -p "$out"
+ops_tag=${OPS:+-$(echo "$OPS" | tr -c 'A-Za-z0-9\n' _)}  # result file names: -<the OPS words>
 export PYTHONPATH=$PWD:${PYTHONPATH:-} CODA_CUTE_CACHE_DIR=${CODA_CUTE_CACHE_DIR:-/tmp/coda-cute-cache}
 case $step in
   tests)
@@ -52,16 +53,16 @@ case $step in
     d=${1:-4096}
     shift || true
     python benchmarks/bench_sm90.py --d "$d" --compile-modes "${@:-default}" ${OPS:+--ops $OPS} \
-      --out "$out/ops-d$d${OPS:+-$(echo "$OPS" | tr -c 'A-Za-z0-9\n' _)}.json" ;;
+      --out "$out/ops-d$d$ops_tag.json" ;;
   variants)
     python benchmarks/bench_sm90.py --d "${D:-4096}" --variants "$@" ${OPS:+--ops $OPS} \
-      --out "$out/variants-d${D:-4096}${OPS:+-$(echo "$OPS" | tr -c 'A-Za-z0-9\n' _)}.json" ;;
+      --out "$out/variants-d${D:-4096}$ops_tag.json" ;;
   block)
     python benchmarks/bench_block.py --d "${@:-4096}" --compile-modes ${MODES:-default} \
       ${CASES:+--cases $CASES} --out "$out/block${CASES:+-$(echo $CASES | tr " " -)}.json" ;;
   clocks)
     python benchmarks/clocks.py --d "${1:-2048}" ${OPS:+--ops $OPS} \
-      --out "$out/clocks-d${1:-2048}${OPS:+-$(echo "$OPS" | tr -c 'A-Za-z0-9\n' _)}.json" ;;
+      --out "$out/clocks-d${1:-2048}$ops_tag.json" ;;
   sanitize)
     python tests/gpu_sanitize.py > "$out/sanitize-warm.log" 2>&1 || { tail -n 20 "$out/sanitize-warm.log"; exit 1; }
     for tool in memcheck racecheck; do
