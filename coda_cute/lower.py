@@ -31,6 +31,10 @@ CUTE_DTYPES = {"bf16": "BFloat16", "f16": "Float16", "f32": "Float32"}
 DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4}
 EPI_N_CHOICES = (32, 16)  # accumulator columns per epilogue subtile, preferred first
 AB_STAGES_WANTED = 4  # mainloop stages that keep the tensor cores fed (fewer starve them)
+# ... except beside a tile-deep input ring in the cooperative schedule: there 3 stages of 128x256
+# kept our GEMM as fast as 4 (H200, d = 2048 to 8192), and an epilogue that never waits for its
+# inputs made residual + sumsq 1.20x -> 1.13x our GEMM at d = 2048 (benchmarks/results, 2026-12-04)
+DEEP_RING_AB_STAGES = 3
 NUM_LANES = {None: 1, HALF: 1, ONE: 2, TWO: 4}
 _IDENTITY = {"sum": "0.0", "sumsq": "0.0", "max": '-float("inf")', "maxabs": "0.0"}
 
@@ -394,28 +398,19 @@ def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, in
     memory (see _stages for who gets how much).  Subtiles of 32 accumulator columns are
     preferred; programs with wide rings (2N outputs or inputs) take 16 columns when that buys
     mainloop stages.  A ping-pong warpgroup computing 128 rows holds two MMA blocks per thread,
-    so its per-subtile registers double: it prefers 16 columns."""
+    so its per-subtile registers double: it prefers 16 columns.  A cooperative 128x256 kernel
+    with tile inputs and no stage counts given first tries input rings a whole tile deep beside
+    DEEP_RING_AB_STAGES mainloop stages: its epilogue then never waits for an input."""
     if config.in_stages and not any(op.kind == "tile" for op in program.operands):
         raise UnsupportedError(f"in_stages {config.in_stages}: program {program.name!r} has no tile inputs to load")
-    best, best_rank, narrow = None, None, []
-    wanted = config.ab_stages or AB_STAGES_WANTED
-    choices = EPI_N_CHOICES[::-1] if _mma_blocks(config) > 1 else EPI_N_CHOICES
-    for preference, epi_n in enumerate(choices):
-        ctx = Context(program=program, config=config, cfg={}, class_name=_class_name(program.name), epi_n=epi_n)
-        _declare_tensors(ctx, program, config)
-        too_narrow = [t for t in ctx.tile_outputs + ctx.tile_inputs if t["cols"] * DTYPE_BYTES[t["dtype"]] < 16]
-        if too_narrow:
-            narrow.append(too_narrow[0])
-            continue  # a subtile row under TMA's 16 bytes
-        stages = _stages(ctx, config, wanted)
-        if stages is None:
-            continue
-        # mainloop stages (up to the wanted count) first, then the preferred subtile width (16
-        # columns with deep input rings spilled registers in the kernels with column reductions)
-        rank = (min(stages[2], wanted), -preference)
-        if best is None or rank > best_rank:
-            best, best_rank = (ctx, *stages), rank
-    if best is None and len(narrow) == len(choices):  # no subtile width TMA can move
+    deep_first = (config.schedule == "cooperative" and tuple(config.tile) == (128, 256)  # where it was measured
+                  and not (config.ab_stages or config.in_stages) and any(op.kind == "tile" for op in program.operands))
+    if deep_first:  # the whole tile's inputs in flight, beside DEEP_RING_AB_STAGES mainloop stages
+        best, _ = _best_plan(program, config, DEEP_RING_AB_STAGES, deep_inputs=True)
+        if best is not None:
+            return best
+    best, narrow = _best_plan(program, config, config.ab_stages or AB_STAGES_WANTED)
+    if best is None and len(narrow) == len(EPI_N_CHOICES):  # no subtile width TMA can move
         raise UnsupportedError(f"{narrow[-1]['label']}: a {narrow[-1]['cols']}-column subtile row is under TMA's 16 bytes")
     if best is None and (config.epi_stages or config.in_stages):
         rings = ", ".join(f"{what} rings {depth} subtiles deep" for what, depth in
@@ -439,6 +434,31 @@ def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, in
     return best
 
 
+def _best_plan(program: Program, config: KernelConfig, wanted: int, deep_inputs: bool = False) -> tuple:
+    """(the best (context, EPI_STAGES, IN_STAGES, AB_STAGES) over the subtile widths, or None;
+    the tiles that were too narrow for TMA at each width that had one).  Mainloop stages (up to
+    `wanted`) rank first, then the preferred subtile width (16 columns with deep input rings
+    spilled registers in the kernels with column reductions)."""
+    best, best_rank, narrow = None, None, []
+    choices = EPI_N_CHOICES[::-1] if _mma_blocks(config) > 1 else EPI_N_CHOICES
+    if deep_inputs:  # the preferred width only: rmsnorm_bwd's tile-deep ring at 16 columns spilled
+        choices = choices[:1]
+    for preference, epi_n in enumerate(choices):
+        ctx = Context(program=program, config=config, cfg={}, class_name=_class_name(program.name), epi_n=epi_n)
+        _declare_tensors(ctx, program, config)
+        too_narrow = [t for t in ctx.tile_outputs + ctx.tile_inputs if t["cols"] * DTYPE_BYTES[t["dtype"]] < 16]
+        if too_narrow:
+            narrow.append(too_narrow[0])
+            continue  # a subtile row under TMA's 16 bytes
+        stages = _stages(ctx, config, wanted, deep_inputs)
+        if stages is None:
+            continue
+        rank = (min(stages[2], wanted), -preference)
+        if best is None or rank > best_rank:
+            best, best_rank = (ctx, *stages), rank
+    return best, narrow
+
+
 def smem_bytes(ctx: Context, epi_stages: int, in_stages: int, ab_stages: int) -> int:
     """Bytes of the kernel's SharedStorage (see the template): barriers, padded to the 1024-byte
     alignment of the A/B stages, then the A/B stages, the epilogue rings (1024-aligned; outputs
@@ -453,7 +473,7 @@ def smem_bytes(ctx: Context, epi_stages: int, in_stages: int, ab_stages: int) ->
     return -(-(1024 + ab + rings + small) // 1024) * 1024
 
 
-def _stages(ctx: Context, config: KernelConfig, wanted: int) -> tuple[int, int, int] | None:
+def _stages(ctx: Context, config: KernelConfig, wanted: int, deep_inputs: bool = False) -> tuple[int, int, int] | None:
     """(EPI_STAGES, IN_STAGES, AB_STAGES) for this subtile width, or None when they do not fit.
 
     Automatic (config.ab_stages 0): input rings as deep as the output rings, 4 over 2, with at
@@ -461,14 +481,17 @@ def _stages(ctx: Context, config: KernelConfig, wanted: int) -> tuple[int, int, 
     as many mainloop stages as the rest holds, up to 8: the plan measured on the H200.  With
     config.ab_stages given, exactly that many mainloop stages (None when they do not fit), and
     the input rings take the deepest ring (a divisor of the subtile count) that fits beside them.
-    A ring depth given (config.epi_stages, config.in_stages) is the only choice for its rings;
-    it must divide the subtile count."""
+    With `deep_inputs`, input rings a whole tile deep and at least `wanted` mainloop stages, or
+    None.  A ring depth given (config.epi_stages, config.in_stages) is the only choice for its
+    rings; it must divide the subtile count."""
     subtiles = config.tile[1] // ctx.epi_n
     budget = SMEM_BYTES[config.arch]
     ab_bytes = (config.tile[0] + config.tile[1]) * 64 * 2
     outs = [config.epi_stages] if config.epi_stages else [4, 2]
     if config.in_stages:
         pairs = [(epi, config.in_stages) for epi in outs]
+    elif deep_inputs:
+        pairs = [(epi, subtiles) for epi in outs]
     elif config.ab_stages and ctx.tile_inputs:  # the deepest input ring first
         pairs = [(epi, deep) for deep in range(subtiles, 1, -1) if subtiles % deep == 0 for epi in outs]
     else:
@@ -478,7 +501,7 @@ def _stages(ctx: Context, config: KernelConfig, wanted: int) -> tuple[int, int, 
             continue
         room = min((budget - smem_bytes(ctx, epi_stages, in_stages, 0)) // ab_bytes, 8)
         ab_stages = min(room, config.ab_stages) if config.ab_stages else room
-        fallback = not config.ab_stages and (epi_stages, in_stages) == pairs[-1] and ab_stages >= 2
+        fallback = not (config.ab_stages or deep_inputs) and (epi_stages, in_stages) == pairs[-1] and ab_stages >= 2
         if ab_stages >= wanted or fallback:
             return epi_stages, in_stages, ab_stages
     return None
@@ -715,6 +738,7 @@ class _Body:
         return {HALF: ["col < N"], ONE: ["col < N", "col + 1 < N"],
                 TWO: ["col < N", "col < N", "col + 1 < N", "col + 1 < N"]}[width]
 
+
     def row_reduction(self, out, index: int) -> None:
         ctx, reg, kind = self.ctx, f"red_{out.name}", out.reduce
         lanes = self.lanes[id(out.node)]
@@ -750,8 +774,11 @@ class _Body:
         identity = _IDENTITY[kind]
         ctx.tile_prologue += [f"{reg} = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)", f"{reg}.fill({identity})"]
         total = f"{reg}[m_block * 2 + h]"  # read and written once per column pair
+        # padding columns past N are masked, except where the value there is exactly 0, the identity
+        masked = kind not in ("sum", "sumsq", "maxabs") or not _zero_past_n(self.program, out.node)
         for lane, ok in zip(lanes, valid):
-            total = _combine(kind, total, f"where({ok}, {_reduce_term(kind, lane)}, {identity})")
+            term = _reduce_term(kind, lane)
+            total = _combine(kind, total, f"where({ok}, {term}, {identity})" if masked else term)
         self.lines.append(f"{reg}[m_block * 2 + h] = {total}")
         combine = _combine(kind, "total", "cute.arch.shuffle_sync_bfly(total, offset=offset)")
         ctx.tile_epilogue += [
@@ -801,6 +828,29 @@ class _Body:
             "    if out_col < N and row0 < M:  # a cluster may own a tile past M: no partial",
             f"        out_{out.name}[(tile_m, out_col)] = total",
         ]
+
+
+#: elementwise ops that give exactly 0 (+0 or -0) when every argument is 0
+_ZERO_KEEPING = {"add", "sub", "mul", "neg", "abs", "square", "relu", "minimum", "maximum"}
+
+
+def _zero_past_n(program: Program, node: Node) -> bool:
+    """Whether `node` is exactly 0 in a ragged tile's padding columns past N, so that a row sum
+    needs no `col < N` mask there.  TMA fills B's rows past N with zeros, so the accumulator is 0
+    there; N-wide tile inputs are loaded by TMA too; column vectors are loaded as 0 past N; ops
+    that keep zeros keep it.  (An inf or NaN in a row of A makes that row's padding NaN, where
+    its valid values are all inf or NaN already.)  Column sums keep their `row < M` mask: without
+    it rmsnorm_bwd's dgamma spilled registers."""
+    if node.op == "acc":
+        return True
+    if node.op == "const":
+        return node.attrs[0] == 0
+    if node.op == "load":
+        operand = program.operand(node.attrs[0])
+        return operand.kind in ("tile", "col") and operand.width == ONE
+    if node.op == "cast" or node.op in _ZERO_KEEPING:
+        return all(_zero_past_n(program, arg) for arg in node.args)
+    return False
 
 
 def _broadcast(lanes: list[str], count: int) -> list[str]:

@@ -4,6 +4,7 @@ reallocation, mbarrier synchronization, TMA stores, and no register spills."""
 
 import pytest
 
+import coda_cute as cc
 from coda_cute import library
 from coda_cute.cli import runtime_defaults
 from coda_cute.compile import compile_program
@@ -142,6 +143,41 @@ def test_explicit_ring_depths_are_taken_exactly_or_refused():
     for bad in (1, 17, "4", -2):
         with pytest.raises(UnsupportedError, match="expected 2..16 subtiles"):
             KernelConfig(epi_stages=bad).check()
+
+
+def test_cooperative_tile_inputs_get_a_tile_deep_ring_where_it_fits():
+    """Planned automatically, a cooperative 128x256 kernel with tile inputs loads a whole tile's
+    inputs ahead (3 mainloop stages, the rest for the ring); where that does not fit at 32-column
+    subtiles, or with other tiles and schedules, the plan is as before."""
+    def plan(name, config):
+        cfg = lower(library.get(name), config).cfg
+        return cfg["epi_n"], cfg["in_stages"], cfg["ab_stages"]
+
+    assert plan("residual_sumsq", KernelConfig()) == (32, 8, 3)
+    assert plan("alpha_beta", KernelConfig(cluster=(1, 2))) == (32, 8, 3)
+    assert plan("rmsnorm_bwd", KernelConfig()) == (16, 4, 4)  # 64 KB of x does not fit beside 3 stages
+    assert plan("residual_sumsq", KernelConfig(tile=(128, 128), schedule="pingpong")) == (16, 4, 6)
+    assert plan("residual_sumsq", KernelConfig(ab_stages=4)) == (32, 2, 4)  # stages given: as asked
+    assert plan("gemm", KernelConfig())[2] == 4
+
+
+def test_row_sums_skip_the_column_mask_only_where_padding_is_zero():
+    """Past N the accumulator and N-wide tile inputs are 0 (TMA zero fill): a row sum of a value
+    built from them with zero-keeping ops needs no `col < N` mask; one that a row vector scales
+    (which need not be finite) keeps it."""
+    @cc.epilogue
+    def scaled(acc, rstd: cc.RowVec):
+        y = acc * rstd
+        return {"D": y, "s": cc.row_sum(y)}
+
+    def sum_lines(program):
+        return [line for line in emit(program, KernelConfig()).splitlines() if "red_" in line and "] = red_" in line]
+
+    (line,) = sum_lines(library.get("residual_sumsq"))
+    assert "where" not in line and "v_h_0 * v_h_0" in line
+    (line,) = sum_lines(scaled)
+    assert "where(col < N" in line
+    assert all("where(" in line for line in sum_lines(library.get("rmsnorm_bwd")))
 
 
 def test_input_stages_are_freed_early_only_where_every_input_is_in_registers():
@@ -296,8 +332,6 @@ def test_emitted_source_has_no_dead_assignments(config):
 
 def test_an_operand_the_program_never_reads_is_taken_but_not_loaded(tmp_path):
     """The call signature keeps it (callers pass what the program declares); the kernel moves none of it."""
-    import coda_cute as cc
-
     @cc.epilogue
     def ignores_bias(acc, bias: cc.ColVec, scale: cc.Scalar):
         return acc * 2.0
