@@ -31,10 +31,11 @@ CUTE_DTYPES = {"bf16": "BFloat16", "f16": "Float16", "f32": "Float32"}
 DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4}
 EPI_N_CHOICES = (32, 16)  # accumulator columns per epilogue subtile, preferred first
 AB_STAGES_WANTED = 4  # mainloop stages that keep the tensor cores fed (fewer starve them)
-# ... except beside a tile-deep input ring in the cooperative schedule: there 3 stages of 128x256
-# kept our GEMM as fast as 4 (H200, d = 2048 to 8192), and an epilogue that never waits for its
-# inputs made residual + sumsq 1.20x -> 1.13x our GEMM at d = 2048 (benchmarks/results, 2026-12-04)
-DEEP_RING_AB_STAGES = 3
+# ... except in cooperative 128x256 kernels with tile inputs: 3 stages of 128x256 keep our GEMM as
+# fast as 4 (H200, d = 2048 to 8192), so their shared memory goes to the epilogue instead: an
+# input ring a tile deep (residual + sumsq 1.20x -> 1.13x our GEMM at d = 2048) or 32-column
+# subtiles (RMSNorm backward 1.20x -> 1.16x; 16 columns at 4 stages before) (results, 2026-12-04)
+TILE_INPUT_AB_STAGES = 3
 NUM_LANES = {None: 1, HALF: 1, ONE: 2, TWO: 4}
 _IDENTITY = {"sum": "0.0", "sumsq": "0.0", "max": '-float("inf")', "maxabs": "0.0"}
 
@@ -391,7 +392,8 @@ def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, in
     """Pick the epilogue subtile width and the stage counts that fit the SM's shared memory:
     (context, EPI_STAGES, IN_STAGES, AB_STAGES).
 
-    The mainloop needs about AB_STAGES_WANTED stages in flight (or exactly config.ab_stages);
+    The mainloop needs about AB_STAGES_WANTED stages in flight (TILE_INPUT_AB_STAGES in a
+    cooperative 128x256 kernel with tile inputs; or exactly config.ab_stages);
     the epilogue rings share the same memory: output rings of EPI_STAGES subtiles, input rings
     of IN_STAGES subtiles.  Inputs are loaded by their own warp, which runs ahead into the next
     tile while the mainloop computes; the deeper their ring, the less the epilogue waits on
@@ -400,16 +402,18 @@ def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, in
     mainloop stages.  A ping-pong warpgroup computing 128 rows holds two MMA blocks per thread,
     so its per-subtile registers double: it prefers 16 columns.  A cooperative 128x256 kernel
     with tile inputs and no stage counts given first tries input rings a whole tile deep beside
-    DEEP_RING_AB_STAGES mainloop stages: its epilogue then never waits for an input."""
+    TILE_INPUT_AB_STAGES mainloop stages: its epilogue then never waits for an input."""
     if config.in_stages and not any(op.kind == "tile" for op in program.operands):
         raise UnsupportedError(f"in_stages {config.in_stages}: program {program.name!r} has no tile inputs to load")
-    deep_first = (config.schedule == "cooperative" and tuple(config.tile) == (128, 256)  # where it was measured
-                  and not (config.ab_stages or config.in_stages) and any(op.kind == "tile" for op in program.operands))
-    if deep_first:  # the whole tile's inputs in flight, beside DEEP_RING_AB_STAGES mainloop stages
-        best, _ = _best_plan(program, config, DEEP_RING_AB_STAGES, deep_inputs=True)
+    tile_inputs_128x256 = (config.schedule == "cooperative" and tuple(config.tile) == (128, 256)  # as measured
+                           and any(op.kind == "tile" for op in program.operands))
+    if tile_inputs_128x256 and not (config.ab_stages or config.in_stages):
+        # the whole tile's inputs in flight, beside TILE_INPUT_AB_STAGES mainloop stages
+        best, _ = _best_plan(program, config, TILE_INPUT_AB_STAGES, deep_inputs=True)
         if best is not None:
             return best
-    best, narrow = _best_plan(program, config, config.ab_stages or AB_STAGES_WANTED)
+    wanted = config.ab_stages or (TILE_INPUT_AB_STAGES if tile_inputs_128x256 else AB_STAGES_WANTED)
+    best, narrow = _best_plan(program, config, wanted)
     if best is None and len(narrow) == len(EPI_N_CHOICES):  # no subtile width TMA can move
         raise UnsupportedError(f"{narrow[-1]['label']}: a {narrow[-1]['cols']}-column subtile row is under TMA's 16 bytes")
     if best is None and (config.epi_stages or config.in_stages):

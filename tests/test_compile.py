@@ -148,14 +148,15 @@ def test_explicit_ring_depths_are_taken_exactly_or_refused():
 def test_cooperative_tile_inputs_get_a_tile_deep_ring_where_it_fits():
     """Planned automatically, a cooperative 128x256 kernel with tile inputs loads a whole tile's
     inputs ahead (3 mainloop stages, the rest for the ring); where that does not fit at 32-column
-    subtiles, or with other tiles and schedules, the plan is as before."""
+    subtiles it keeps 32-column subtiles at 3 stages; other tiles and schedules plan as before."""
     def plan(name, config):
         cfg = lower(library.get(name), config).cfg
         return cfg["epi_n"], cfg["in_stages"], cfg["ab_stages"]
 
     assert plan("residual_sumsq", KernelConfig()) == (32, 8, 3)
     assert plan("alpha_beta", KernelConfig(cluster=(1, 2))) == (32, 8, 3)
-    assert plan("rmsnorm_bwd", KernelConfig()) == (16, 4, 4)  # 64 KB of x does not fit beside 3 stages
+    assert plan("rmsnorm_bwd", KernelConfig()) == (32, 4, 3)  # 64 KB of x does not fit beside 3 stages
+    assert plan("rmsnorm_bwd", KernelConfig(ab_stages=4)) == (16, 4, 4)  # 4 stages: 16-column subtiles
     assert plan("residual_sumsq", KernelConfig(tile=(128, 128), schedule="pingpong")) == (16, 4, 6)
     assert plan("residual_sumsq", KernelConfig(ab_stages=4)) == (32, 2, 4)  # stages given: as asked
     assert plan("gemm", KernelConfig())[2] == 4
