@@ -45,9 +45,9 @@ class KernelConfig:
     raster_along_m: bool = True
     swizzle: int = DEFAULT_SWIZZLE
     #: mainloop (A/B) stages; 0 = planned: as many as the shared memory left by the epilogue
-    #: holds, aiming for AB_STAGES_WANTED (TILE_INPUT_AB_STAGES for cooperative 128x256 tiles
-    #: with tile inputs, whose input rings then go a tile deep; lower.py); fewer leave room for deeper epilogue input
-    #: rings; a count that does not fit is an error
+    #: holds, aiming for AB_STAGES_WANTED (TILE_INPUT_AB_STAGES in cooperative 128x256 kernels
+    #: with tile inputs, whose input rings then go a tile deep; lower.py); fewer leave room for
+    #: deeper epilogue input rings; a count that does not fit is an error
     ab_stages: int = 0
     #: smem buffers of each epilogue output ring and input ring, subtiles deep; 0 = planned (the
     #: plan gives the mainloop its stages first); a depth must divide the tile's subtile count

@@ -742,7 +742,6 @@ class _Body:
         return {HALF: ["col < N"], ONE: ["col < N", "col + 1 < N"],
                 TWO: ["col < N", "col < N", "col + 1 < N", "col + 1 < N"]}[width]
 
-
     def row_reduction(self, out, index: int) -> None:
         ctx, reg, kind = self.ctx, f"red_{out.name}", out.reduce
         lanes = self.lanes[id(out.node)]
