@@ -747,9 +747,8 @@ class _Body:
         lanes = self.lanes[id(out.node)]
         valid = self._valid_cols(out.node.width)
         self.lines.append(f"# {out.name}: per-row {kind} of {out.node.describe()}, this thread's share")
-        ctx.helpers.add("where")
         if kind == "logsumexp":
-            ctx.helpers.add("logsumexp")
+            ctx.helpers.update(("where", "logsumexp"))
             ctx.tile_prologue += [f"{reg}_max = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)",
                                   f"{reg}_max.fill(-float(\"inf\"))",
                                   f"{reg}_sum = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)",
@@ -779,6 +778,8 @@ class _Body:
         total = f"{reg}[m_block * 2 + h]"  # read and written once per column pair
         # padding columns past N are masked, except where the value there is exactly 0, the identity
         masked = kind not in ("sum", "sumsq", "maxabs") or not _zero_past_n(self.program, out.node)
+        if masked:
+            ctx.helpers.add("where")
         for lane, ok in zip(lanes, valid):
             term = _reduce_term(kind, lane)
             total = _combine(kind, total, f"where({ok}, {term}, {identity})" if masked else term)
