@@ -15,5 +15,5 @@ def test_readme_example_runs(capsys):
 def test_readme_quick_start_commands_are_the_ci_ones():
     text = README.read_text()
     ci = (README.parent / ".ci" / "run").read_text()
-    assert "python -m pytest -q" in text and "python -m pytest -q" in ci
+    assert "python -m pytest -q -n auto" in text and "python -m pytest -q -n auto" in ci
     assert "pip install torch==2.13.0" in text and "torch==2.13.0" in ci
