@@ -403,10 +403,10 @@ def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, in
     so its per-subtile registers double: it prefers 16 columns.  A cooperative 128x256 kernel
     with tile inputs and no stage counts given first tries input rings a whole tile deep beside
     TILE_INPUT_AB_STAGES mainloop stages: its epilogue then never waits for an input."""
-    if config.in_stages and not any(op.kind == "tile" for op in program.operands):
+    tile_inputs = any(op.kind == "tile" for op in program.operands)
+    if config.in_stages and not tile_inputs:
         raise UnsupportedError(f"in_stages {config.in_stages}: program {program.name!r} has no tile inputs to load")
-    tile_inputs_128x256 = (config.schedule == "cooperative" and tuple(config.tile) == (128, 256)  # as measured
-                           and any(op.kind == "tile" for op in program.operands))
+    tile_inputs_128x256 = tile_inputs and config.schedule == "cooperative" and tuple(config.tile) == (128, 256)  # as measured
     if tile_inputs_128x256 and not (config.ab_stages or config.in_stages):
         # the whole tile's inputs in flight, beside TILE_INPUT_AB_STAGES mainloop stages
         best, _ = _best_plan(program, config, TILE_INPUT_AB_STAGES, deep_inputs=True)

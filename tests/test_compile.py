@@ -190,8 +190,7 @@ def test_values_said_to_be_zero_past_n_are_zero_there_in_the_reference():
     from random_programs import random_program
 
     from coda_cute.arguments import bind
-    from coda_cute.lower import _zero_past_n
-    from coda_cute.program import Fraction
+    from coda_cute.lower import ONE, _zero_past_n
     from coda_cute.reference import _Evaluator
 
     gen = torch.Generator().manual_seed(0)
@@ -206,7 +205,7 @@ def test_values_said_to_be_zero_past_n_are_zero_there_in_the_reference():
             cols = int(n * (op.width or 1))
             shape = {"row": (m,), "col": (cols,), "tile": (m, cols), "table": (4, 16)}[op.kind]
             value = torch.randn(*shape, generator=gen) * 3
-            if op.kind in ("col", "tile") and op.width == 1:
+            if op.kind in ("col", "tile") and op.width == ONE:
                 value[..., n - pad:] = 0
             operands[op.name] = value
         a, b = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
@@ -217,7 +216,7 @@ def test_values_said_to_be_zero_past_n_are_zero_there_in_the_reference():
             continue  # an operand shape this simple builder does not make (e.g. a table's period)
         values = _Evaluator(problem, problem.a @ problem.b.t()).run()
         for node in program.nodes:
-            if node.width == Fraction(1) and _zero_past_n(program, node):
+            if node.width == ONE and _zero_past_n(program, node):
                 value = values[id(node)].expand(m, n)
                 assert torch.all(value[:, n - pad:] == 0), f"{program.name}: {node.describe()} is not 0 past N"
                 checked += 1
