@@ -107,6 +107,7 @@ def fake_arguments(program: Program, config: KernelConfig) -> list:
                                          (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4))
         else:
             args.append(matrix("f32", cute.sym_int(), length, align=4))
+        args.append(make_fake_tensor(cutlass.Float32, (length,), (1,), assumed_align=4))  # finished values
     for op in program.operands:
         if op.kind == "scalar":
             args.append(cutlass.Float32(1.0))

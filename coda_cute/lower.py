@@ -11,8 +11,9 @@ so pairs()/interleave() only rename lanes and move no data.  Each node is emitte
 one assignment per lane, commented with the program value it computes.
 
 Names built from user input get fixed prefixes the template never uses itself:
-``in_<operand>``, ``out_<output>``, ``smem_in_/smem_out_``, ``view_in_/view_out_``,
-``tma_in_/tma_out_``, ``red_<reduction>`` and ``v_<value>``.
+``in_<operand>``, ``out_<output>``, ``part_<reduction>`` (its per-tile partials),
+``smem_in_/smem_out_``, ``view_in_/view_out_``, ``tma_in_/tma_out_``, ``red_<reduction>``
+and ``v_<value>``.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class Context:
     subtile_epilogue: list = field(default_factory=list)
     tile_epilogue: list = field(default_factory=list)
     col_reductions: list = field(default_factory=list)
+    finishes: list = field(default_factory=list)  # reductions whose partials the finishing kernel combines
     col_scratch_elems: int = 0
     segments: list = field(default_factory=list)  # registers of segment reductions
     tables: list = field(default_factory=list)  # table operands gathered a subtile ahead
@@ -277,10 +279,21 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
     for out in program.reductions:
         lead = "2, " if out.reduce == "logsumexp" else ""
         shape = f"({lead}ceil(N / TILE_N), M)" if out.axis == "row" else f"({lead}ceil(M / TILE_M), N)"
-        ctx.host_params.append(dict(name=f"out_{out.name}", annotation="cute.Tensor",
-                                    doc=f"out_{out.name} {shape} f32 partials"))
-        ctx.kernel_params.append(f"out_{out.name}")
-        ctx.kernel_param_decls.append(f"out_{out.name}: cute.Tensor")
+        part, final = f"part_{out.name}", f"out_{out.name}"
+        ctx.host_params.append(dict(name=part, annotation="cute.Tensor", doc=f"{part} {shape} f32 partials"))
+        ctx.host_params.append(dict(name=final, annotation="cute.Tensor",
+                                    doc=f"{final} ({'M' if out.axis == 'row' else 'N'},) f32"))
+        ctx.kernel_params.append(part)
+        ctx.kernel_param_decls.append(f"{part}: cute.Tensor")
+        if out.reduce != "logsumexp":  # the finishing kernel's fold over the tiles
+            fold = dict(identity=_IDENTITY[out.reduce], fold=_combine(out.reduce, "total", "%s"))
+        else:
+            fold = {}
+        ctx.helpers.add("where")  # the finishing kernel masks the tiles past the last
+        ctx.finishes.append(dict(name=out.name, kind=out.reduce, part=part, out=final, shape=shape, **fold,
+                                 label=f"{out.axis}_{out.reduce}({out.node.describe()})",
+                                 length="mA.shape[0]" if out.axis == "row" else "mB.shape[0]",
+                                 result="(M,)" if out.axis == "row" else "(N,)"))
         if out.axis == "col":
             ctx.col_reductions.append(out.name)
     read = {node.attrs[0] for node in program.nodes if node.op == "load"}
@@ -769,8 +782,8 @@ class _Body:
                 " cute.arch.shuffle_sync_bfly(row_max, offset=offset), cute.arch.shuffle_sync_bfly(row_sum, offset=offset))",
                 "        row = row0 + tCcAcc[((0, h, 0), m_block, 0)][0]",
                 "        if ctidx % 4 == 0 and row < M and col0 < N:  # a cluster may own a tile past N: no partial",
-                f"            out_{out.name}[(0, tile_n, row)] = row_max",
-                f"            out_{out.name}[(1, tile_n, row)] = row_sum",
+                f"            part_{out.name}[(0, tile_n, row)] = row_max",
+                f"            part_{out.name}[(1, tile_n, row)] = row_sum",
             ]
             return
         identity = _IDENTITY[kind]
@@ -794,7 +807,7 @@ class _Body:
             f"            total = {combine}",
             "        row = row0 + tCcAcc[((0, h, 0), m_block, 0)][0]",
             "        if ctidx % 4 == 0 and row < M and col0 < N:  # a cluster may own a tile past N: no partial",
-            f"            out_{out.name}[(tile_n, row)] = total",
+            f"            part_{out.name}[(tile_n, row)] = total",
         ]
 
     def col_reduction(self, out, index: int) -> None:
@@ -830,7 +843,7 @@ class _Body:
             f"        total = {gather}",
             "    out_col = col0 + subtile * EPI_N + ctidx",
             "    if out_col < N and row0 < M:  # a cluster may own a tile past M: no partial",
-            f"        out_{out.name}[(tile_m, out_col)] = total",
+            f"        part_{out.name}[(tile_m, out_col)] = total",
         ]
 
 

@@ -163,8 +163,11 @@ class CallPlan:
                 t = torch.empty(self.m, cols, dtype=dtype, device=self.device)
             results[name] = t
             args.append(t)
-        partials = {name: torch.empty(shape, dtype=torch.float32, device=self.device) for name, shape in self.partials}
-        args += partials.values()
+        partials, finished = {}, {}
+        for name, shape in self.partials:  # the kernel writes the partials and finishes them
+            partials[name] = torch.empty(shape, dtype=torch.float32, device=self.device)
+            finished[name] = torch.empty(shape[-1], dtype=torch.float32, device=self.device)
+            args += [partials[name], finished[name]]
         for op in self.program.operands:
             value = operands[op.name]
             shape = self.reshape.get(op.name)
@@ -175,9 +178,7 @@ class CallPlan:
             with torch.cuda.device(self.device):
                 self.function(*args)
         for o in self.program.reductions:
-            parts = partials[o.name]
-            # one tile along the reduced axis: the partial is the result (no finishing kernel)
-            value = parts[0] if o.reduce != "logsumexp" and parts.shape[0] == 1 else reference.finish(o.reduce, parts)
+            value = finished[o.name]
             results[o.name] = value.reshape(self.batch_shape) if o.axis == "row" and len(self.batch_shape) != 1 else value
         if len(self.batch_shape) != 1:
             for name, cols, _ in self.outputs:

@@ -2,6 +2,8 @@
 shows the kernel we meant to build: WGMMA, TMA loads (multicast in a cluster), register
 reallocation, mbarrier synchronization, TMA stores, and no register spills."""
 
+import re
+
 import pytest
 
 import coda_cute as cc
@@ -85,6 +87,50 @@ def test_library_program_compiles_to_expected_sass(name, config_name, tmp_path):
     assert "LDL" not in sass and "STL" not in sass, f"{name}: local-memory traffic (spills) in the SASS"
     assert compiled.spill_bytes == 0, f"{name}: ptxas reports spills:\n{compiled.report}"
     assert compiled.registers is not None and compiled.registers <= 232
+    finish = sass_functions(sass).get("finish")
+    assert (finish is not None) == bool(program.reductions), f"{name}: a finishing kernel exactly where it reduces"
+    if finish is not None:
+        assert "ACQBULK" in finish, f"{name}: the finishing kernel does not wait for the GEMM (griddepcontrol.wait)"
+        assert _longest_load_run(finish) >= 4, f"{name}: the finishing kernel's loads are not in flight together"
+
+
+def sass_functions(sass: str) -> dict[str, str]:
+    """The SASS of each kernel in a cubin, by its name in the emitted module ('kernel', 'finish')."""
+    found = {}
+    for section in sass.split("\n//--------------------- .text.")[1:]:
+        name = re.match(r"kernel_cutlass_([a-z]+)_coda_cute_kernel_", section)
+        assert name, section[:200]
+        found[name.group(1)] = section
+    return found
+
+
+def _longest_load_run(sass: str) -> int:
+    """The most global loads issued one after another with no branch between them."""
+    best = run = 0
+    for line in sass.splitlines():
+        if "LDG" in line:
+            run += 1
+            best = max(best, run)
+        elif "BRA" in line:
+            run = 0
+    return best
+
+
+def test_reductions_are_finished_by_a_second_kernel_launched_as_a_dependent():
+    """One finishing branch per reduction, with the kind's fold; the GEMM's host function launches
+    it with programmatic dependent launch, and a program without reductions has none of it."""
+    source = emit(library.get("cross_entropy_stats"), KernelConfig())
+    host = source[source.index("    def __call__("):source.index("    @cute.kernel")]
+    finish = source[source.index("    def finish("):]
+    assert host.count("self.finish(") == 1 and host.count("use_pdl=True") == 1
+    assert "grid=[cute.ceil_div(finish_values, 32), 2, 1]" in host
+    assert finish.count("cute.arch.griddepcontrol_wait()") == 1
+    assert "if which == 0:" in finish and "elif which == 1:" in finish and "which == 2" not in finish
+    assert "logsumexp_merge(run_max, run_sum, tile_max, tile_sum)" in finish  # lse
+    assert "total = total + where(t < tiles, part_target_logit[(clamped, col)], 0.0)" in finish  # target_logit
+    assert "griddepcontrol" not in source[:source.index("    def finish(")].replace("griddepcontrol.wait", "")
+    plain = emit(library.get("bias_gelu"), KernelConfig())
+    assert "def finish(" not in plain and "FINISH_WARPS" not in plain and "use_pdl" not in plain
 
 
 def test_persistent_grid_is_bounded_by_the_sm_count(tmp_path):

@@ -291,6 +291,28 @@ def test_random_composition(seed):
     run_and_compare(random_program(seed), 300, 528, 200, tile=tile, cluster=cluster, schedule=schedule, seed=seed)
 
 
+def many_reductions(acc, bias: cc.ColVec):
+    y = acc + bias
+    return {"D": y, "total": cc.row_sum(y), "top": cc.col_max(y), "lse": cc.row_logsumexp(y),
+            "peak": cc.row_maxabs(y), "energy": cc.col_sumsq(y)}
+
+
+@pytest.mark.parametrize("shape", [(4229, 8456, 64), (100, 200, 32)], ids=["34x34_tiles", "one_tile"])
+def test_finishing_kernel_over_many_tiles_and_one(shape):
+    """The finishing kernel folds the partials of every kind over 34 tiles (more than the 32 its
+    CTA folds per round, so the round loop repeats and masks tiles past the last) and over a
+    single tile; its values are the same bits on every call."""
+    program = cc.epilogue(many_reductions)
+    run_and_compare(program, *shape)
+    gen = torch.Generator().manual_seed(17)
+    a, b, ops = make_inputs(program, *shape, torch.bfloat16, gen)
+    kernel = Kernel(program)
+    first = kernel(a, b, **ops)
+    again = kernel(a, b, **ops)
+    for out in program.reductions:
+        assert torch.equal(first[out.name], again[out.name]), f"{out.name}: not the same bits on a second call"
+
+
 def test_cuda_graph_capture_of_a_warm_kernel_and_refusal_when_cold():
     program = library.get("bias_gelu")
     gen = torch.Generator().manual_seed(3)
@@ -305,6 +327,21 @@ def test_cuda_graph_capture_of_a_warm_kernel_and_refusal_when_cold():
     graph.replay()
     torch.cuda.synchronize()
     assert_close("D (graph replay)", captured, cc.evaluate(program, a, b, ops).outputs["D"], *TOLERANCE[torch.bfloat16])
+    # a program with reductions: the finishing kernel's programmatic dependent launch is captured too
+    program = library.get("residual_sumsq")
+    a, b, ops = make_inputs(program, 300, 528, 200, torch.bfloat16, gen)
+    warm = Kernel(program)
+    warm(a, b, **ops)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph):
+            captured = warm(a, b, **ops)
+    ops["residual"].copy_(torch.randn(ops["residual"].shape, generator=gen).to(ops["residual"]))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = cc.evaluate(program, a, b, ops).outputs
+    assert_close("D (graph replay)", captured["D"], ref["D"], *TOLERANCE[torch.bfloat16])
+    assert_close("sumsq (graph replay)", captured["sumsq"], ref["sumsq"], *REDUCTION_TOLERANCE)
     cold = Kernel(program)
     with pytest.raises(cc.ArgumentError, match="CUDA graph capture"):
         with torch.cuda.stream(stream):

@@ -16,7 +16,8 @@ from coda_cute.runtime import CallPlan, Kernel, _signature
 
 
 def _stand_in(program, tile):
-    """A 'kernel' writing what the generated one writes: outputs and per-tile partials."""
+    """A 'kernel' writing what the generated one writes: outputs, per-tile partials and their
+    finished values."""
     calls = []
 
     def launch(*args):
@@ -24,13 +25,14 @@ def _stand_in(program, tile):
         a, b = args[0], args[1]
         rest = list(args[2:])
         outs = [rest.pop(0) for _ in program.tile_outputs]
-        parts = [rest.pop(0) for _ in program.reductions]
+        reductions = [(rest.pop(0), rest.pop(0)) for _ in program.reductions]  # (partials, finished)
         operands = {op.name: rest.pop(0) for op in program.operands}
         ref = reference.evaluate(program, a, b, operands, tile=tile)
         for o, t in zip(program.tile_outputs, outs):
             t.copy_(ref.outputs[o.name])
-        for o, t in zip(program.reductions, parts):
-            t.copy_(ref.partials[o.name])
+        for o, (parts, finished) in zip(program.reductions, reductions):
+            parts.copy_(ref.partials[o.name])
+            finished.copy_(reference.finish(o.reduce, parts))
 
     return launch, calls
 
@@ -44,7 +46,7 @@ def test_plan_passes_the_host_functions_arguments_and_finishes_reductions():
     launch, calls = _stand_in(program, config.tile)
     plan = CallPlan.build(program, bind(program, a, b, {"residual": residual}), config, launch, "key")
     outputs = plan.run(a, b, {"residual": residual}, None, return_partials=False)
-    assert calls == [[(300, 64), (272, 64), (300, 272), (2, 300), (300, 272)]]
+    assert calls == [[(300, 64), (272, 64), (300, 272), (2, 300), (300,), (300, 272)]]
     want = cc.evaluate(program, a, b, {"residual": residual})
     assert outputs["D"].shape == (2, 150, 272) and outputs["sumsq"].shape == (2, 150)
     torch.testing.assert_close(outputs["D"], want.outputs["D"], rtol=0, atol=0)
