@@ -13,7 +13,9 @@ one assignment per lane, commented with the program value it computes.
 Names built from user input get fixed prefixes the template never uses itself:
 ``in_<operand>``, ``out_<output>``, ``part_<reduction>`` (its per-tile partials),
 ``smem_in_/smem_out_``, ``view_in_/view_out_``, ``tma_in_/tma_out_``, ``red_<reduction>``
-and ``v_<value>``.
+and ``v_<value>``.  No prefix is the start of another, and names derived from those
+append ``__`` and a word (``tma_out_D__tensor``, ``red_lse__max``), which user names may
+not contain (``program.check_name``): so no two user names give the same emitted name.
 """
 
 from __future__ import annotations
@@ -354,7 +356,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
         if _uses_words(t["width"], t["dtype"]):  # 2N wide, 16-bit: one 64-bit word per column pair
             words = t["cols"] // 4
             ctx.views.append(dict(name=t["view"], expr=f"acc_view_of_ring(ring_as_words({t['smem']}, "
-                                                       f"{t['smem']}_layout), {words}, 0, {t['stages']})"))
+                                                       f"{t['smem']}__layout), {words}, 0, {t['stages']})"))
             continue
         for lane in _view_lanes(t["width"]):
             ctx.views.append(dict(name=t["view"] + lane,
@@ -389,7 +391,7 @@ def _uses_words(width: Fraction, dtype: str) -> bool:
 
 def _view_lanes(width: Fraction) -> list[str]:
     """Suffixes of the views one operand needs: 2N-wide values need one view per column of a pair."""
-    return ["_0", "_1"] if width == TWO else [""]
+    return ["__0", "__1"] if width == TWO else [""]
 
 
 def fits_shared_memory(program: Program, config: KernelConfig) -> bool:
@@ -730,7 +732,7 @@ class _Body:
             return [f"cutlass.Float32(frag_in_{op.name}[slot{e}])" for e in (0, 1)]
         if op.width == ONE:
             return [wrap.format(f"{view}[pair{e}]") for e in (0, 1)]
-        return [wrap.format(f"{view}_{q}[pair{e}]") for e in (0, 1) for q in (0, 1)]
+        return [wrap.format(f"{view}__{q}[pair{e}]") for e in (0, 1) for q in (0, 1)]
 
     # -- outputs
     def store(self, out) -> None:
@@ -746,7 +748,7 @@ class _Body:
         fast = _uses_fragments(out.node.width, storage)
         targets = {HALF: [f"{view}[pair0]"],
                    ONE: [f"frag_out_{out.name}[slot{e}]" if fast else f"{view}[pair{e}]" for e in (0, 1)],
-                   TWO: [f"{view}_{q}[pair{e}]" for e in (0, 1) for q in (0, 1)]}[out.node.width]
+                   TWO: [f"{view}__{q}[pair{e}]" for e in (0, 1) for q in (0, 1)]}[out.node.width]
         for target, value in zip(targets, lanes):
             self.lines.append(f"{target} = cutlass.{dtype}({value})")
 
@@ -762,12 +764,12 @@ class _Body:
         self.lines.append(f"# {out.name}: per-row {kind} of {out.node.describe()}, this thread's share")
         if kind == "logsumexp":
             ctx.helpers.update(("where", "logsumexp"))
-            ctx.tile_prologue += [f"{reg}_max = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)",
-                                  f"{reg}_max.fill(-float(\"inf\"))",
-                                  f"{reg}_sum = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)",
-                                  f"{reg}_sum.fill(0.0)"]
+            ctx.tile_prologue += [f"{reg}__max = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)",
+                                  f"{reg}__max.fill(-float(\"inf\"))",
+                                  f"{reg}__sum = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)",
+                                  f"{reg}__sum.fill(0.0)"]
             # the running pair is read and written once per column pair, folding in each lane
-            running = f"{reg}_max[m_block * 2 + h], {reg}_sum[m_block * 2 + h]"
+            running = f"{reg}__max[m_block * 2 + h], {reg}__sum[m_block * 2 + h]"
             for k, (lane, ok) in enumerate(zip(lanes, valid)):
                 source = running if k == 0 else "run_max, run_sum"
                 target = running if k == len(lanes) - 1 else "run_max, run_sum"
@@ -776,7 +778,7 @@ class _Body:
                 f"# {out.name}: combine the 4 threads of each row, write this tile's (max, sum of exp)",
                 "for m_block in cutlass.range_constexpr(mma_m):",
                 "    for h in cutlass.range_constexpr(2):",
-                f"        row_max, row_sum = {reg}_max[m_block * 2 + h], {reg}_sum[m_block * 2 + h]",
+                f"        row_max, row_sum = {reg}__max[m_block * 2 + h], {reg}__sum[m_block * 2 + h]",
                 "        for offset in cutlass.range_constexpr(1, 3):",
                 "            row_max, row_sum = logsumexp_merge(row_max, row_sum,"
                 " cute.arch.shuffle_sync_bfly(row_max, offset=offset), cute.arch.shuffle_sync_bfly(row_sum, offset=offset))",
@@ -841,9 +843,9 @@ class _Body:
             f"    total = {identity}",
             f"    for warp in cutlass.range_constexpr({warps}):",
             f"        total = {gather}",
-            "    out_col = col0 + subtile * EPI_N + ctidx",
-            "    if out_col < N and row0 < M:  # a cluster may own a tile past M: no partial",
-            f"        part_{out.name}[(tile_m, out_col)] = total",
+            "    global_col = col0 + subtile * EPI_N + ctidx",
+            "    if global_col < N and row0 < M:  # a cluster may own a tile past M: no partial",
+            f"        part_{out.name}[(tile_m, global_col)] = total",
         ]
 
 

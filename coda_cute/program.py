@@ -66,12 +66,17 @@ def check_name(name: object, what: str) -> str:
 
     Emitted code prefixes every user name (see ``lower.py``), so a valid name can never
     shadow a template variable; this check keeps quotes, newlines, dots and the like out.
+    Names derived from one user name append ``__`` and a word (``tma_out_D__tensor``), so a
+    user name may not contain ``__``: otherwise output ``D__tensor`` would be output ``D``'s.
     """
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ProgramError(
             f"{what} name {name!r} is not a safe identifier: expected a letter followed by "
             "up to 47 letters, digits or underscores"
         )
+    if "__" in name:
+        raise ProgramError(f"{what} name {name!r} contains '__', which the emitted kernel keeps for the names "
+                           "it derives from yours (tma_out_D__tensor); use single underscores")
     if name in _RESERVED:
         raise ProgramError(f"{what} name {name!r} is a Python keyword; choose another name")
     return name

@@ -133,6 +133,44 @@ def test_reductions_are_finished_by_a_second_kernel_launched_as_a_dependent():
     assert "def finish(" not in plain and "FINISH_WARPS" not in plain and "use_pdl" not in plain
 
 
+def names_that_extend_others(acc, x: cc.Tile, x_part: cc.RowVec):
+    """Every kind of user name next to one that extends it by '_' and a word the kernel appends
+    to its own names (TMA tensor, smem partition, running max): each must stay its own."""
+    y = acc + x * x_part
+    return {"D": y, "D_tensor": y * 2.0, "lse": cc.row_logsumexp(y), "lse_max": cc.row_sum(y)}
+
+
+ROLES = ("in_", "out_", "part_", "smem_in_", "smem_out_", "view_in_", "view_out_", "tma_in_", "tma_out_", "red_",
+         "r2s_out_", "s2r_in_", "frag_in_", "frag_out_", "frag_table_", "v_")
+
+
+def test_names_from_user_input_are_prefixed_and_never_collide(tmp_path):
+    """Every emitted identifier that starts with a user-name prefix is that prefix, a user name and
+    optionally '__' and a word; no prefix starts another; so two user names never meet in one
+    emitted name (outputs D and D_tensor once shared tma_out_D_tensor: a SyntaxError; lse's
+    running max and output lse_max shared red_lse_max: wrong values)."""
+    import ast
+
+    assert not [(a, b) for a in ROLES for b in ROLES if a != b and b.startswith(a)]
+    program = cc.epilogue(names_that_extend_others)
+    programs = [program] + [library.get(name) for name in _lowerable(KernelConfig())]
+    for prog in programs:
+        source = emit(prog, KernelConfig())
+        users = {op.name for op in prog.operands} | {out.name for out in prog.outputs}
+        tree = ast.parse(source)
+        names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+        names |= {arg.arg for node in ast.walk(tree) if isinstance(node, ast.arguments) for arg in node.args}
+        for name in names:
+            role = next((r for r in ROLES if name.startswith(r)), None)
+            if role is None or role == "v_":  # values are named apart by the lowering's own counter
+                continue
+            user = name[len(role):].split("__")[0]
+            assert user in users, f"{prog.name}: {name} is not {role!r} + a user name (+ '__word')"
+        compile(source, "kernel.py", "exec")  # duplicate parameters are a SyntaxError
+    assert "red_lse__max" in emit(program, KernelConfig()) and "red_lse_max =" in emit(program, KernelConfig())
+    compile_program(program, KernelConfig(), source_dir=tmp_path)  # x's and x_part's smem once met in the DSL
+
+
 def test_persistent_grid_is_bounded_by_the_sm_count(tmp_path):
     """The host function launches min(tiles, MAX_ACTIVE_CLUSTERS * cluster) CTAs (the DSL's
     persistent scheduler), so the emitted constants must keep that within the GPU."""
@@ -445,7 +483,7 @@ def test_staged_tables_load_by_tma_not_gathers(name, table_dtype, config, tmp_pa
     config = config.with_(table_periods=(("cos", 64), ("sin", 64)), stage_tables=True,
                           operand_dtypes=(("cos", table_dtype), ("sin", table_dtype)))
     source = emit(program, config)
-    assert "in_cos_block" in source and "frag_table_cos" not in source
+    assert "in_cos__block" in source and "frag_table_cos" not in source
     compiled = compile_program(program, config, keep=("sass",), dump_dir=tmp_path / "dump",
                                source_dir=tmp_path / "src", report=True)
     sass = compiled.artifacts["sass"].read_text()

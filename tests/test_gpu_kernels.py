@@ -313,6 +313,18 @@ def test_finishing_kernel_over_many_tiles_and_one(shape):
         assert torch.equal(first[out.name], again[out.name]), f"{out.name}: not the same bits on a second call"
 
 
+def test_names_that_extend_others_stay_apart():
+    """Outputs D and D_tensor, operands x and x_part, reductions lse and lse_max: each its own
+    value (lse's running max and output lse_max once shared one register tensor)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_compile import names_that_extend_others
+
+    run_and_compare(cc.epilogue(names_that_extend_others), 300, 528, 200)
+
+
 def test_cuda_graph_capture_of_a_warm_kernel_and_refusal_when_cold():
     program = library.get("bias_gelu")
     gen = torch.Generator().manual_seed(3)

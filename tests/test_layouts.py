@@ -153,7 +153,7 @@ def test_ring_views_of_32_bit_2n_tiles(config):
     """32-bit 2N-wide tiles (here an fp32 preact) keep one view per column of a pair, ring
     columns 2c and 2c + 1; only 16-bit ones move as 64-bit words."""
     source = emit(library.get("swiglu_bwd"), config)
-    assert "view_in_preact_0 = " in source and "view_in_preact_1 = " in source
+    assert "view_in_preact__0 = " in source and "view_in_preact__1 = " in source
     assert _check_ring_views(source, "2N", "IN_STAGES") > 0
 
 

@@ -471,6 +471,17 @@ def test_unsafe_operand_parameter_names():
         trace(soft_keyword)
 
 
+@pytest.mark.parametrize("name", ["D__tensor", "x__part", "lse__max", "a__b"])
+def test_double_underscores_are_kept_for_the_kernels_own_names(name):
+    with raises_program(rf"output name '{name}' contains '__', which the emitted kernel keeps for the names it "
+                        r"derives from yours \(tma_out_D__tensor\); use single underscores"):
+        trace(lambda acc: {"D": acc, name: acc * 2.0})
+
+    node = Node("load", (), (name,), "f32", Fraction(1))
+    with raises_program(rf"operand name '{name}' contains '__'"):
+        Program("prog", [Operand(name, "col", Fraction(1))], [Output("D", node)])
+
+
 def test_non_string_names():
     with raises_program(r"output name 3 is not a safe identifier"):
         trace(lambda acc: {3: acc})
