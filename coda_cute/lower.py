@@ -360,11 +360,11 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
             continue
         for lane in _view_lanes(t["width"]):
             ctx.views.append(dict(name=t["view"] + lane,
-                                  expr=f"acc_view_of_ring({t['smem']}, {t['cols']}, {lane[1:] or 0}, {t['stages']})"))
+                                  expr=f"acc_view_of_ring({t['smem']}, {t['cols']}, {lane.lstrip('_') or 0}, {t['stages']})"))
     for v in ctx.vectors:
         for lane in ([""] if v["is_row"] else _view_lanes(v["width"])):
             ctx.views.append(dict(name=v["view"] + lane,
-                                  expr=f"acc_view_of_vector({v['smem']}, {v['is_row']}, {v['elems']}, {lane[1:] or 0})"))
+                                  expr=f"acc_view_of_vector({v['smem']}, {v['is_row']}, {v['elems']}, {lane.lstrip('_') or 0})"))
 
 
 def _mma_blocks(config: KernelConfig) -> int:

@@ -18,7 +18,7 @@ import re
 import pytest
 
 from coda_cute import library
-from coda_cute.compile import import_source
+from coda_cute.compile import compile_program, import_source
 from coda_cute.config import KernelConfig
 from coda_cute.render import emit
 
@@ -154,7 +154,10 @@ def test_ring_views_of_32_bit_2n_tiles(config):
     columns 2c and 2c + 1; only 16-bit ones move as 64-bit words."""
     source = emit(library.get("swiglu_bwd"), config)
     assert "view_in_preact__0 = " in source and "view_in_preact__1 = " in source
+    assert "acc_view_of_ring(smem_in_preact, 32, 1, IN_STAGES)" in source  # the view of the pair's second column
     assert _check_ring_views(source, "2N", "IN_STAGES") > 0
+    if config.schedule == "cooperative":  # the whole kernel, once (the GPU test runs both)
+        compile_program(library.get("swiglu_bwd"), config)
 
 
 def _swizzled_bytes(swizzle, layout, coords, elem_bytes):
