@@ -38,11 +38,28 @@ CONFIGS = {
     "runtime_default": None,  # per program: what Kernel picks for a large problem
     "runtime_default_unswizzled": None,  # the same, walked in whole cluster columns (no swizzled_tile)
 }
-# the unswizzled walk only drops swizzled_tile: a plain GEMM, a tile input with a reduction, and
-# the two ping-pong defaults (2N-wide, table gathers) cover it
-UNSWIZZLED_SAMPLE = {"gemm", "residual_sumsq", "swiglu_bwd_recompute", "rope_qkv"}
+# Every program compiles at its runtime default and at ping-pong with two MMA blocks per
+# warpgroup (the register-tightest path, different for each epilogue). The other configurations
+# change the mainloop or the tile around an epilogue, so they compile a sample that covers each
+# kind of epilogue operand and output they affect (the GPU tests run the whole library at each):
+SAMPLES = {
+    # B multicast along M instead of A along N: the epilogue is unchanged
+    "cluster2x1": {"gemm", "residual_sumsq", "rmsnorm_bwd", "swiglu_bwd_recompute"},
+    # 128-column tiles, no multicast: fewer subtiles per tile, segments, tables, N/2 and 2N tiles
+    "single_cta": {"gemm", "bias_gelu", "swiglu_save", "swiglu_bwd_recompute", "residual_sumsq", "rmsnorm_bwd",
+                   "qk_rmsnorm", "rope_qkv", "cross_entropy_stats"},
+    # 3 mainloop stages: room for deep input rings, so the programs with tile inputs
+    "ab3": {"alpha_beta", "residual_sumsq", "rmsnorm_bwd", "rmsnorm_bwd_residual", "swiglu_bwd"},
+    # ping-pong 128x192 is the runtime default of the heavy epilogues; here the others, the list
+    # of those that spill there, and qk_rmsnorm's refusal
+    "pingpong192": {"gemm", "bias_gelu", "swiglu", "residual_sumsq", "rms_scale_gamma", "cross_entropy_stats",
+                    "qk_rmsnorm", "rmsnorm_bwd", "rmsnorm_bwd_residual", "cross_entropy_stats_save"},
+    # the unswizzled walk only drops swizzled_tile: a plain GEMM, a tile input with a reduction,
+    # and the two ping-pong defaults (2N-wide, table gathers)
+    "runtime_default_unswizzled": {"gemm", "residual_sumsq", "swiglu_bwd_recompute", "rope_qkv"},
+}
 CASES = [(name, config_name) for name in _lowerable(KernelConfig()) for config_name in CONFIGS
-         if config_name != "runtime_default_unswizzled" or name in UNSWIZZLED_SAMPLE]
+         if config_name not in SAMPLES or name in SAMPLES[config_name]]
 
 
 # Epilogues that keep more values live than the registers ping-pong leaves beside a warpgroup's
@@ -52,6 +69,15 @@ CASES = [(name, config_name) for name in _lowerable(KernelConfig()) for config_n
 # 128x128 too, by 28 bytes, since its logits are rounded a column pair at a time: round_pair).
 SPILLS_AT = {"pingpong192": {"rmsnorm_bwd", "rmsnorm_bwd_residual", "cross_entropy_stats_save"},
              "pingpong128": {"cross_entropy_stats_save"}}
+
+
+def test_compile_samples_name_library_programs():
+    """A renamed or dropped program must not silently leave a sample (nor the spill list)."""
+    programs = set(_lowerable(KernelConfig()))
+    for config_name, sample in SAMPLES.items():
+        assert config_name in CONFIGS and sample <= programs, (config_name, sample - programs)
+    for config_name, spilling in SPILLS_AT.items():
+        assert spilling <= SAMPLES.get(config_name, programs), (config_name, spilling)
 
 
 @pytest.mark.parametrize("name,config_name", CASES)
