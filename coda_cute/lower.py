@@ -282,9 +282,9 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
         lead = "2, " if out.reduce == "logsumexp" else ""
         shape = f"({lead}ceil(N / TILE_N), M)" if out.axis == "row" else f"({lead}ceil(M / TILE_M), N)"
         part, final = f"part_{out.name}", f"out_{out.name}"
+        result = "(M,)" if out.axis == "row" else "(N,)"
         ctx.host_params.append(dict(name=part, annotation="cute.Tensor", doc=f"{part} {shape} f32 partials"))
-        ctx.host_params.append(dict(name=final, annotation="cute.Tensor",
-                                    doc=f"{final} ({'M' if out.axis == 'row' else 'N'},) f32"))
+        ctx.host_params.append(dict(name=final, annotation="cute.Tensor", doc=f"{final} {result} f32"))
         ctx.kernel_params.append(part)
         ctx.kernel_param_decls.append(f"{part}: cute.Tensor")
         if out.reduce != "logsumexp":  # the finishing kernel's fold over the tiles
@@ -294,8 +294,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
         ctx.helpers.add("where")  # the finishing kernel masks the tiles past the last
         ctx.finishes.append(dict(name=out.name, kind=out.reduce, part=part, out=final, shape=shape, **fold,
                                  label=f"{out.axis}_{out.reduce}({out.node.describe()})",
-                                 length="mA.shape[0]" if out.axis == "row" else "mB.shape[0]",
-                                 result="(M,)" if out.axis == "row" else "(N,)"))
+                                 length="mA.shape[0]" if out.axis == "row" else "mB.shape[0]", result=result))
         if out.axis == "col":
             ctx.col_reductions.append(out.name)
     read = {node.attrs[0] for node in program.nodes if node.op == "load"}
