@@ -825,16 +825,8 @@ class _Body:
             term = _reduce_term(kind, lane)
             slot_expr = f"{reg}[(j % (EPI_N // 8)) * 2 + {e}]"
             self.lines.append(f"{slot_expr} = {_combine(kind, slot_expr, f'where(row < M, {term}, {identity})')}")
-        combine = _combine(kind, "total", "cute.arch.shuffle_sync_bfly(total, offset=offset)")
-        ctx.subtile_compute_end += [
-            f"# {out.name}: combine the 8 threads of each column in a warp, park the warp's sums in smem",
-            "for k in cutlass.range_constexpr(EPI_N // 4):",
-            f"    total = {reg}[k]",
-            *(f"    total = {combine.replace('offset=offset', f'offset={o}')}" for o in (4, 8, 16)),
-            "    if ctidx % 32 < 4:",
-            "        col_in_subtile = tCcAcc[((k % 2, 0, subtile * (EPI_N // 8) + k // 2), 0, 0)][1] - subtile * EPI_N",
-            f"        col_scratch[{offset} + (ctidx // 32) * EPI_N + col_in_subtile] = total",
-        ]
+        ctx.subtile_compute_end += [f"# {out.name}: combine the 8 threads of each column in a warp, park the warp's sums in smem",
+                                    *_warp_column_exchange(kind, reg, ctx.epi_n, offset)]
         gather = _combine(kind, "total", f"col_scratch[{offset} + warp * EPI_N + ctidx]")
         ctx.subtile_epilogue += [
             f"# {out.name}: combine the warps, write this tile's partial for the subtile's columns",
@@ -846,6 +838,39 @@ class _Body:
             "    if global_col < N and row0 < M:  # a cluster may own a tile past M: no partial",
             f"        part_{out.name}[(tile_m, global_col)] = total",
         ]
+
+
+def _warp_column_exchange(kind: str, reg: str, epi_n: int, offset: int) -> list[str]:
+    """Lines that fold a subtile's column values (`reg`, EPI_N // 4 per thread) over the 8 threads
+    sharing each column (lanes 4 apart) and store each column's warp total in `col_scratch`.
+
+    Each exchange halves what a thread holds: lanes `step` apart split the values, each keeps one
+    half, folds in its partner's copy of that half, and hands over the other.  With 8 values that
+    is 4 + 2 + 1 shuffles instead of 8 x 3, and afterwards every lane holds a different column:
+    value lane // 4.  With 4 values, the last step (lanes 4 apart) folds the one value left and
+    both lanes hold it; the lower one stores it."""
+    values = epi_n // 4
+    lines, kept = [], values
+    for step in (16, 8, 4):
+        kept //= 2
+        if kept:
+            halves = ("value 0", "value 1") if kept == 1 else (f"values 0-{kept - 1}", f"values {kept}-{2 * kept - 1}")
+            lines += [f"# lanes {step} apart: the lower keeps {halves[0]}, the upper {halves[1]}",
+                      f"upper = (ctidx & {step}) != 0",
+                      f"for k in cutlass.range_constexpr({kept}):",
+                      f"    mine = where(upper, {reg}[k + {kept}], {reg}[k])",
+                      f"    theirs = where(upper, {reg}[k], {reg}[k + {kept}])",
+                      f"    {reg}[k] = {_combine(kind, 'mine', f'cute.arch.shuffle_sync_bfly(theirs, offset={step})')}"]
+        else:
+            lines.append(f"{reg}[0] = {_combine(kind, f'{reg}[0]', f'cute.arch.shuffle_sync_bfly({reg}[0], offset={step})')}")
+    spread = 32 // values  # lanes holding the same value index
+    place = [f"value = ctidx % 32 // {spread}  # which of this thread's values it now holds",
+             "# value k of a thread lies 8 * (k // 2) + k % 2 columns past its first (the WGMMA fragment)",
+             "col_in_subtile = tCcAcc[((0, 0, subtile * (EPI_N // 8)), 0, 0)][1] - subtile * EPI_N + 8 * (value // 2) + value % 2",
+             f"col_scratch[{offset} + (ctidx // 32) * EPI_N + col_in_subtile] = {reg}[0]"]
+    if spread > 4:
+        place = [f"if ctidx % {spread} < 4:", *("    " + line for line in place)]
+    return lines + place
 
 
 #: elementwise ops that give exactly 0 (+0 or -0) when every argument is 0

@@ -281,8 +281,9 @@ def test_row_sums_skip_the_column_mask_only_where_padding_is_zero():
         y = acc * rstd
         return {"D": y, "s": cc.row_sum(y)}
 
-    def sum_lines(program):
-        return [line for line in emit(program, KernelConfig()).splitlines() if "red_" in line and "] = red_" in line]
+    def sum_lines(program):  # the lines that fold a value into a reduction register: red_x[i] = red_x[i] + ...
+        lines = emit(program, KernelConfig()).splitlines()
+        return [line for line in lines if re.match(r"\s*(red_\w+\[[^=]*\]) = \1 ", line)]
 
     (line,) = sum_lines(library.get("residual_sumsq"))
     assert "where" not in line and "v_h_0 * v_h_0" in line

@@ -255,3 +255,69 @@ def test_word_views_address_what_the_ring_views_address(config):
 
     cute.compile(probe, options="--gpu-arch sm_90a")
     assert len(checked) == len(threads) * kernel.TILE_M * kernel.TILE_N // kernel.TILE_THREADS
+
+
+@pytest.mark.parametrize("kind", ["sum", "max"])
+@pytest.mark.parametrize("config", [KernelConfig(tile=(128, 256), cluster=(1, 2)),  # 32-column subtiles
+                                    KernelConfig(tile=(128, 128), schedule="pingpong", cluster=(1, 2))],  # 16
+                         ids=["128x256-cooperative", "128x128-pingpong"])
+def test_column_exchange_parks_each_columns_warp_total_in_its_slot(config, kind):
+    """A column reduction folds each subtile's values over the 8 threads sharing a column by
+    halving exchanges (lower._warp_column_exchange).  Run its lines for one warp in PyTorch,
+    lanes as a vector, with each thread's values at the columns CuTe's MMA partition gives
+    them: every column of the subtile must get exactly its warp's total, stored once, in its own slot."""
+    import types
+
+    import cutlass
+    import cutlass.cute as cute
+    import torch
+
+    from coda_cute.lower import _warp_column_exchange
+
+    kernel = import_source(emit(library.get("rmsnorm_bwd"), config))
+    epi_n, values = kernel.EPI_N, kernel.EPI_N // 4
+    column = {}  # (lane, value k) -> accumulator column, subtile 0, k = 2 * j + e as the body fills red_
+
+    @cute.jit
+    def probe():
+        tiled_mma = kernel.make_tiled_mma()
+        for lane in cutlass.range_constexpr(32):
+            coords = tiled_mma.get_slice(lane).partition_C(cute.make_identity_tensor((kernel.TILE_M, kernel.TILE_N)))
+            for j in cutlass.range_constexpr(epi_n // 8):
+                for e in cutlass.range_constexpr(2):
+                    column[(lane, 2 * j + e)] = int(coords[((e, 0, j), 0, 0)][1])
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+    assert sorted(set(column.values())) == list(range(epi_n))
+
+    lines = _warp_column_exchange(kind, "red", epi_n, 0)
+    split = next(i for i, line in enumerate(lines) if line.startswith(("value =", "if ctidx %")))
+    lanes = torch.arange(32)
+    start = torch.randint(-50, 50, (values, 32), generator=torch.Generator().manual_seed(epi_n)).double()
+    red = start.clone()
+    fake_cute = types.SimpleNamespace(arch=types.SimpleNamespace(shuffle_sync_bfly=lambda x, offset: x[lanes ^ offset]),
+                                      math=types.SimpleNamespace(max=torch.maximum))
+    exec("\n".join(lines[:split]), {"red": red, "ctidx": lanes, "where": torch.where, "cute": fake_cute,
+                                    "cutlass": types.SimpleNamespace(range_constexpr=range)})
+
+    class Columns:  # tCcAcc of one lane, subtile 0: ((e, h, j), m_block, 0) -> (row, col)
+        def __init__(self, lane):
+            self.lane = lane
+
+        def __getitem__(self, index):
+            (e, _, j), _, _ = index
+            return (0, column[(self.lane, 2 * j + e)])
+
+    class Scratch(dict):  # one store per column: a second one would be a wasted (or racing) write
+        def __setitem__(self, slot, value):
+            assert slot not in self, f"column slot {slot} stored twice"
+            super().__setitem__(slot, value)
+
+    scratch = Scratch()
+    for lane in range(32):
+        exec("\n".join(lines[split:]), {"ctidx": lane, "subtile": 0, "EPI_N": epi_n, "red": [red[0, lane].item()],
+                                        "tCcAcc": Columns(lane), "col_scratch": scratch})
+    fold = torch.sum if kind == "sum" else torch.amax
+    want = {c: fold(torch.stack([start[k, lane] for (lane, k), col in column.items() if col == c])).item()
+            for c in range(epi_n)}
+    assert scratch == want
