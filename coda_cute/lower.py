@@ -854,15 +854,21 @@ def _warp_column_exchange(kind: str, reg: str, epi_n: int, offset: int) -> list[
     for step in (16, 8, 4):
         kept //= 2
         if kept:
-            halves = ("value 0", "value 1") if kept == 1 else (f"values 0-{kept - 1}", f"values {kept}-{2 * kept - 1}")
-            lines += [f"# lanes {step} apart: the lower keeps {halves[0]}, the upper {halves[1]}",
-                      f"upper = (ctidx & {step}) != 0",
-                      f"for k in cutlass.range_constexpr({kept}):",
-                      f"    mine = where(upper, {reg}[k + {kept}], {reg}[k])",
-                      f"    theirs = where(upper, {reg}[k], {reg}[k + {kept}])",
-                      f"    {reg}[k] = {_combine(kind, 'mine', f'cute.arch.shuffle_sync_bfly(theirs, offset={step})')}"]
+            exchange = [f"mine = where(upper, {reg}[k + {kept}], {reg}[k])",
+                        f"theirs = where(upper, {reg}[k], {reg}[k + {kept}])",
+                        f"{reg}[k] = {_combine(kind, 'mine', f'cute.arch.shuffle_sync_bfly(theirs, offset={step})')}"]
+            if kept == 1:
+                lines += [f"# lanes {step} apart: the lower keeps value 0, the upper value 1",
+                          f"upper = (ctidx & {step}) != 0",
+                          *(line.replace("[k + 1]", "[1]").replace("[k]", "[0]") for line in exchange)]
+            else:
+                lines += [f"# lanes {step} apart: the lower keeps values 0-{kept - 1}, the upper {kept}-{2 * kept - 1}",
+                          f"upper = (ctidx & {step}) != 0",
+                          f"for k in cutlass.range_constexpr({kept}):",
+                          *("    " + line for line in exchange)]
         else:
-            lines.append(f"{reg}[0] = {_combine(kind, f'{reg}[0]', f'cute.arch.shuffle_sync_bfly({reg}[0], offset={step})')}")
+            lines += [f"# lanes {step} apart hold the same column now: both fold it",
+                      f"{reg}[0] = {_combine(kind, f'{reg}[0]', f'cute.arch.shuffle_sync_bfly({reg}[0], offset={step})')}"]
     spread = 32 // values  # lanes holding the same value index
     place = [f"value = ctidx % 32 // {spread}  # which of this thread's values it now holds",
              "# value k of a thread lies 8 * (k // 2) + k % 2 columns past its first (the WGMMA fragment)",
