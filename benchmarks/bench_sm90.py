@@ -2,6 +2,7 @@
 
     python benchmarks/bench_sm90.py [--d 4096] [--reps 5] [--out results.json]
         [--compile-modes default max-autotune-no-cudagraphs] [--ops SwiGLU ...] [--quack] [--variants]
+        [--tree LABEL=DIR ...]
 
 Each op is timed with triton.testing.do_bench (median of ~100 ms of launches, L2 flushed
 between launches) for every contender, interleaved, `--reps` times; the table gives the
@@ -9,11 +10,18 @@ median of the repetitions and their spread (max - min) / median.  A fused op's t
 includes everything it needs (e.g. finishing reduction partials).  Inputs are random
 normal (small-integer data runs faster).  The fused ops compute the same outputs as the
 torch versions (checked before timing).
+
+`--tree base=DIR` also times each op's kernel as another checkout of coda-cute emits it, for
+the same configuration: an A/B of a lowering or template change in one process.  DIR holds
+that checkout's `coda_cute`, `templates` and `epilogues`, e.g. for a commit REV:
+
+    mkdir -p scratch/base && git archive REV coda_cute templates epilogues | tar -x -C scratch/base
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -21,6 +29,7 @@ import platform
 import statistics
 import sys
 import subprocess
+import tempfile
 import time
 
 import torch
@@ -28,7 +37,9 @@ import torch.nn.functional as F
 
 import coda_cute as cc
 from coda_cute import library
+from coda_cute.compile import compile_source
 from coda_cute.config import DEFAULT_SWIZZLE
+from coda_cute.render import emit_command
 
 SHAPES = {  # hidden d -> (ffn, qkv)
     2048: (8192, 3072),
@@ -132,6 +143,28 @@ def _variants(program):
     return out
 
 
+def tree_contender(tree, kernel, a, b, operands):
+    """The call of `kernel` (its plan for these operands) with the kernel that the checkout in
+    `tree` emits for the same program and configuration; None (said why) where it cannot."""
+    program = kernel.program
+    if program.fingerprint != library.get(program.name).fingerprint:
+        print(f"{program.name}: not the library's program (constants set), so {tree} cannot emit it", flush=True)
+        return None
+    plan = kernel.plan(a, b, operands, None)
+    command = shlex.split(emit_command(program, plan.config))[1:]  # emit NAME --flags...
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"{program.name}.py")
+        done = subprocess.run([sys.executable, "-m", "coda_cute.cli", *command, "-o", path], cwd=tree,
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), os.environ.get("PYTHONPATH", "")])),
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"{program.name}: {tree} did not emit it: {done.stderr.strip()[-300:]}", flush=True)
+            return None
+        source = open(path).read()
+    other = dataclasses.replace(plan, function=compile_source(source, program, plan.config, tvm_ffi=True).function)
+    return lambda: other.run(a, b, operands, None, False)
+
+
 def _swiglu_bwd_h(dh, preact):
     return {"D": swiglu_bwd_torch(dh, preact), "h": _swiglu(preact)}
 
@@ -187,6 +220,9 @@ def main():
                         help="also time other tile/cluster/schedule/stage choices (those whose label contains one "
                              "of the given strings; none given: all)")
     parser.add_argument("--ops", nargs="*", help="only the ops whose name contains one of these strings")
+    parser.add_argument("--tree", nargs="*", default=[], metavar="LABEL=DIR",
+                        help="also time the kernels another checkout of coda-cute (its coda_cute, templates and "
+                             "epilogues in DIR) emits for the same configurations")
     parser.add_argument("--quack", action="store_true", help="also time quack's kernel for the ops it has (untuned)")
     parser.add_argument("--rope-positions", type=int, default=4096,
                         help="rows (positions) of the RoPE ops' cos/sin tables; 1 is a diagnostic: every row reads "
@@ -221,6 +257,11 @@ def main():
                         contenders["quack (untuned)"] = quack_fn
                 except Exception as exc:
                     print(f"{name}: quack not timed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            for label, tree in (t.split("=", 1) for t in args.tree):
+                other = tree_contender(tree, kernel, a, b, operands)
+                if other is not None:
+                    _check(f"{name} ({label})", other(), want)
+                    contenders[f"coda-cute {label}"] = other
             for label, variant in _variants(program) if args.variants is not None else ():
                 if args.variants and not any(v in label for v in args.variants):
                     continue

@@ -5,7 +5,9 @@
 #   bash benchmarks/h200_run.sh runtime  # compile / warm-load / per-call costs
 #   bash benchmarks/h200_run.sh ops [D [MODE ...]]  # fused ops vs cuBLAS / eager / torch.compile
 #                                                 # (MODE: default, max-autotune-no-cudagraphs;
-#                                                 # OPS="RoPE bwd": only ops whose name contains a word)
+#                                                 # OPS="RoPE bwd": only ops whose name contains a word;
+#                                                 # TREE="base=scratch/base": also another checkout's
+#                                                 # kernels, see bench_sm90.py --tree)
 #   bash benchmarks/h200_run.sh variants [LABEL ...]  # ops with other tile/schedule/stage choices
 #                                                    # (labels containing LABEL; D=2048: another d, 4096
 #                                                    # by default; OPS as for ops)
@@ -53,7 +55,7 @@ case $step in
     d=${1:-4096}
     shift || true
     python benchmarks/bench_sm90.py --d "$d" --compile-modes "${@:-default}" ${OPS:+--ops $OPS} \
-      --out "$out/ops-d$d$ops_tag.json" ;;
+      ${TREE:+--tree $TREE} --out "$out/ops-d$d$ops_tag.json" ;;
   variants)
     python benchmarks/bench_sm90.py --d "${D:-4096}" --variants "$@" ${OPS:+--ops $OPS} \
       --out "$out/variants-d${D:-4096}$ops_tag.json" ;;
