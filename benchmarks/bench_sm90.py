@@ -152,11 +152,11 @@ def tree_contender(tree, kernel, a, b, operands):
         return None
     plan = kernel.plan(a, b, operands, None)
     command = shlex.split(emit_command(program, plan.config))[1:]  # emit NAME --flags...
+    path_first = os.pathsep.join([os.path.abspath(tree), os.environ.get("PYTHONPATH", "")])  # its coda_cute
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, f"{program.name}.py")
         done = subprocess.run([sys.executable, "-m", "coda_cute.cli", *command, "-o", path], cwd=tree,
-                              env=dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), os.environ.get("PYTHONPATH", "")])),
-                              capture_output=True, text=True)
+                              env=dict(os.environ, PYTHONPATH=path_first), capture_output=True, text=True)
         if done.returncode != 0:
             print(f"{program.name}: {tree} did not emit it: {done.stderr.strip()[-300:]}", flush=True)
             return None
