@@ -553,8 +553,8 @@ class _Body:
 
     def add_coordinates(self) -> None:
         """Prepend the element's global coordinates, only where the body reads them."""
-        text = "\n".join(self.lines)
-        uses = {name: re.search(rf"\b{name}\b", text) is not None for name in ("row", "col")}
+        code = "\n".join(line.split("#", 1)[0] for line in self.lines)  # not comments ("per-row sum")
+        uses = {name: re.search(rf"\b{name}\b", code) is not None for name in ("row", "col")}
         head = []
         if uses["row"] and uses["col"]:
             head.append("row_in_tile, col_in_tile = tCcAcc[pair0]")

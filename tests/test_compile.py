@@ -484,6 +484,43 @@ def test_emitted_source_has_no_dead_assignments(config):
         assert not _unused_locals(source), f"{program.name}: assigned, never read: {_unused_locals(source)}"
 
 
+def _coordinates_computed_but_not_read(source: str) -> list[str]:
+    """`row` / `col` assignments in the epilogue body (per column pair) that no code line of the
+    body reads afterwards (comments do not count)."""
+    lines = source.splitlines()
+    unread = []
+    for i, line in enumerate(lines):
+        found = re.match(r"(\s*)(row|col) = (row0|col0) \+ ", line)
+        if not found:
+            continue
+        indent, name = found.group(1), found.group(2)
+        body = []
+        for later in lines[i + 1:]:
+            if later.strip() and not later.startswith(indent):
+                break
+            body.append(later.split("#", 1)[0])
+        if not re.search(rf"\b{name}\b", "\n".join(body)):
+            unread.append(f"line {i + 1}: {line.strip()}")
+    return unread
+
+
+def test_coordinates_are_computed_only_where_the_body_reads_them():
+    """A column pair's global row and column are computed where the epilogue's code reads them,
+    not where a comment mentions them (residual_sumsq's 'per-row sumsq' once made it compute `row`)."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from random_programs import random_program
+
+    assert "row = row0 + tCcAcc[pair0]" not in emit(library.get("residual_sumsq"), KernelConfig())
+    checked = 0
+    for program in [library.get(name) for name in _lowerable(KernelConfig())] + [random_program(s) for s in range(40)]:
+        source = emit(program, KernelConfig())
+        assert not _coordinates_computed_but_not_read(source), program.name
+        checked += len(re.findall(r"^\s*(?:row|col) = (?:row0|col0) \+ ", source, re.M))
+    assert checked > 20, checked  # not vacuous
+
+
 def test_an_operand_the_program_never_reads_is_taken_but_not_loaded(tmp_path):
     """The call signature keeps it (callers pass what the program declares); the kernel moves none of it."""
     @cc.epilogue
