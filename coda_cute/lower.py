@@ -129,7 +129,7 @@ class Context:
         lines = (self.body + self.tile_prologue + self.subtile_prologue + self.subtile_compute_end
                  + self.subtile_epilogue + self.tile_epilogue + self.table_gather()
                  + [str(x) for x in self.vectors + self.views])
-        return any(re.search(rf"\b{name}\b", line) for line in lines)
+        return any(re.search(rf"\b{name}\b", line.split("#", 1)[0]) for line in lines)  # code, not comments
 
     def table_gather(self) -> list[str]:
         """Lines that load subtile ``gather_subtile``'s table values into stage
