@@ -129,7 +129,7 @@ class Context:
         lines = (self.body + self.tile_prologue + self.subtile_prologue + self.subtile_compute_end
                  + self.subtile_epilogue + self.tile_epilogue + self.table_gather()
                  + [str(x) for x in self.vectors + self.views])
-        return any(re.search(rf"\b{name}\b", line.split("#", 1)[0]) for line in lines)  # code, not comments
+        return _refers_to(lines, name)
 
     def table_gather(self) -> list[str]:
         """Lines that load subtile ``gather_subtile``'s table values into stage
@@ -553,8 +553,7 @@ class _Body:
 
     def add_coordinates(self) -> None:
         """Prepend the element's global coordinates, only where the body reads them."""
-        code = "\n".join(line.split("#", 1)[0] for line in self.lines)  # not comments ("per-row sum")
-        uses = {name: re.search(rf"\b{name}\b", code) is not None for name in ("row", "col")}
+        uses = {name: _refers_to(self.lines, name) for name in ("row", "col")}
         head = []
         if uses["row"] and uses["col"]:
             head.append("row_in_tile, col_in_tile = tCcAcc[pair0]")
@@ -849,23 +848,24 @@ def _warp_column_exchange(kind: str, reg: str, epi_n: int, offset: int) -> list[
     is 4 + 2 + 1 shuffles instead of 8 x 3, and afterwards every lane holds a different column:
     value lane // 4.  With 4 values, the last step (lanes 4 apart) folds the one value left and
     both lanes hold it; the lower one stores it."""
+    def exchange(low: str, high: str, step: int) -> list[str]:  # the lower lane keeps `low`, the upper `high`
+        return [f"mine = where(upper, {reg}[{high}], {reg}[{low}])",
+                f"theirs = where(upper, {reg}[{low}], {reg}[{high}])",
+                f"{reg}[{low}] = {_combine(kind, 'mine', f'cute.arch.shuffle_sync_bfly(theirs, offset={step})')}"]
+
     values = epi_n // 4
     lines, kept = [], values
     for step in (16, 8, 4):
         kept //= 2
         if kept:
-            exchange = [f"mine = where(upper, {reg}[k + {kept}], {reg}[k])",
-                        f"theirs = where(upper, {reg}[k], {reg}[k + {kept}])",
-                        f"{reg}[k] = {_combine(kind, 'mine', f'cute.arch.shuffle_sync_bfly(theirs, offset={step})')}"]
             if kept == 1:
                 lines += [f"# lanes {step} apart: the lower keeps value 0, the upper value 1",
-                          f"upper = (ctidx & {step}) != 0",
-                          *(line.replace("[k + 1]", "[1]").replace("[k]", "[0]") for line in exchange)]
+                          f"upper = (ctidx & {step}) != 0", *exchange("0", "1", step)]
             else:
                 lines += [f"# lanes {step} apart: the lower keeps values 0-{kept - 1}, the upper {kept}-{2 * kept - 1}",
                           f"upper = (ctidx & {step}) != 0",
                           f"for k in cutlass.range_constexpr({kept}):",
-                          *("    " + line for line in exchange)]
+                          *("    " + line for line in exchange("k", f"k + {kept}", step))]
         else:
             lines += [f"# lanes {step} apart hold the same column now: both fold it",
                       f"{reg}[0] = {_combine(kind, f'{reg}[0]', f'cute.arch.shuffle_sync_bfly({reg}[0], offset={step})')}"]
@@ -877,6 +877,11 @@ def _warp_column_exchange(kind: str, reg: str, epi_n: int, offset: int) -> list[
     if spread > 4:
         place = [f"if ctidx % {spread} < 4:", *("    " + line for line in place)]
     return lines + place
+
+
+def _refers_to(lines: list[str], name: str) -> bool:
+    """Whether generated code lines refer to `name`, their comments aside ("per-row sum")."""
+    return any(re.search(rf"\b{name}\b", line.split("#", 1)[0]) for line in lines)
 
 
 #: elementwise ops that give exactly 0 (+0 or -0) when every argument is 0
