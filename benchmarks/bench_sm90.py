@@ -125,14 +125,16 @@ def _variants(program):
     if tile_inputs:  # inputs prefetched further ahead
         out.append(("128x256 c2x1 cooperative, 3 AB stages", cc.Kernel(program, tile=(128, 256), cluster=(2, 1),
                                                                        ab_stages=3)))
-    for tile, cluster, schedule in (((128, 256), (1, 2), "cooperative"), ((64, 256), (2, 1), "pingpong"),
+    for tile, cluster, schedule in (((128, 256), (1, 2), "cooperative"), ((128, 256), (2, 1), "cooperative"),
+                                    ((64, 256), (2, 1), "pingpong"),
                                     ((64, 256), (1, 2), "pingpong"), ((128, 128), (2, 1), "cooperative"),
                                     ((128, 128), (1, 2), "pingpong"), ((128, 128), (2, 1), "pingpong"),
                                     ((128, 192), (1, 2), "pingpong"), ((128, 192), (2, 1), "pingpong")):
         label = f"{tile[0]}x{tile[1]} c{cluster[0]}x{cluster[1]} {schedule}"
         out.append((label, cc.Kernel(program, tile=tile, cluster=cluster, schedule=schedule)))
-    for swizzle in (s for s in (1, 2, 4) if s != DEFAULT_SWIZZLE):  # the default tile in another tile order
+    for swizzle in (s for s in (1, 2, 4, 8) if s != DEFAULT_SWIZZLE):  # the default tile in another tile order
         out.append((f"default tile, swizzle {swizzle}", cc.Kernel(program, swizzle=swizzle)))
+    out.append(("default tile, raster along N", cc.Kernel(program, raster_along_m=False)))
     # the default tile with its shared memory split otherwise: stores in flight vs mainloop stages
     out.append(("default tile, output rings 2 deep", cc.Kernel(program, epi_stages=2)))
     out.append(("default tile, 3 AB stages, output rings 4 deep", cc.Kernel(program, ab_stages=3, epi_stages=4)))
@@ -285,12 +287,12 @@ def main():
                 for key, f in contenders.items():
                     times[key].append(do_bench(f, warmup=25, rep=100))
             row = {"d": d, "op": name, "M": args.m, "N": b.shape[0], "K": a.shape[1], "config": kernel.last.config.describe(),
-                   "first_call_s": round(cold, 2)}
+                   "first_call_s": round(cold, 2), "cuBLAS kernel": _kernel_names(gemm_only)}
             for key, ts in times.items():
                 med = statistics.median(ts)
                 row[key] = {"ms": med, "spread": (max(ts) - min(ts)) / med}
             rows.append(row)
-            print(_line(row, contenders), flush=True)
+            print(_line(row, contenders), f"\n    cuBLAS ran {', '.join(row['cuBLAS kernel'])}", flush=True)
             _write(args, rows)  # after every op: a run cut short keeps what it measured
 
 
@@ -300,6 +302,17 @@ def _write(args, rows):
             "commit": _commit(), "command": "python " + " ".join(map(shlex.quote, sys.argv))}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+def _kernel_names(f):
+    """The GPU kernels one call of `f` launches (which tile and cluster cuBLAS picked is in its name)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        f()
+        torch.cuda.synchronize()
+    return sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
 
 
 def _check(name, ours, want):
