@@ -126,6 +126,7 @@ def _variants(program):
         out.append(("128x256 c2x1 cooperative, 3 AB stages", cc.Kernel(program, tile=(128, 256), cluster=(2, 1),
                                                                        ab_stages=3)))
     for tile, cluster, schedule in (((128, 256), (1, 2), "cooperative"), ((128, 256), (2, 1), "cooperative"),
+                                    ((256, 128), (2, 1), "cooperative"), ((256, 128), (1, 2), "cooperative"),
                                     ((64, 256), (2, 1), "pingpong"),
                                     ((64, 256), (1, 2), "pingpong"), ((128, 128), (2, 1), "cooperative"),
                                     ((128, 128), (1, 2), "pingpong"), ((128, 128), (2, 1), "pingpong"),

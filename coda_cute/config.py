@@ -17,7 +17,9 @@ from .errors import UnsupportedError
 GPUS = {"H100": 132, "H200": 132, "H800": 132, "H100-PCIe": 114, "H20": 78}
 ARCHS = ("sm_90a",)
 INPUT_DTYPES = ("bf16", "f16")
-TILE_SHAPES = ((128, 256), (128, 192), (128, 128), (128, 64), (64, 256), (64, 128))
+#: CTA tiles (rows, accumulator columns); cooperative kernels give each 64 rows a consumer
+#: warpgroup, up to two, so a 256-row tile's warpgroups hold two 64-row MMA blocks each
+TILE_SHAPES = ((128, 256), (256, 128), (128, 192), (128, 128), (128, 64), (64, 256), (64, 128))
 CLUSTER_SHAPES = ((1, 1), (2, 1), (1, 2))
 SCHEDULES = ("cooperative", "pingpong")
 #: tile-order swizzles: bands of this many cluster columns (rows) walked side by side

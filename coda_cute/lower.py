@@ -191,7 +191,7 @@ def lower(program: Program, config: KernelConfig) -> Context:
         ab_stages=ab_stages, epi_n=ctx.epi_n, epi_stages=stages, in_stages=in_stages,
         smem_budget=SMEM_BYTES[config.arch], smem_planned=smem_bytes(ctx, stages, in_stages, ab_stages),
         raster_along_m=config.raster_along_m, swizzle=config.swizzle,
-        pingpong=config.schedule == "pingpong", **_register_split(config),
+        pingpong=config.schedule == "pingpong", tile_warpgroups=_tile_warpgroups(config), **_register_split(config),
     )
     _Body(ctx, program, config).emit_all()
     names = ["a (M, K)", "b (N, K)"] + [p["doc"] for p in ctx.host_params] + ["stream"]
@@ -368,12 +368,18 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
 
 def _mma_blocks(config: KernelConfig) -> int:
     """64-row MMA blocks per consumer thread (`mma_m` in the kernel)."""
-    return config.tile[0] // 64 if config.schedule == "pingpong" else 1
+    return config.tile[0] // 64 // _tile_warpgroups(config)
+
+
+def _tile_warpgroups(config: KernelConfig) -> int:
+    """Warpgroups that compute one tile: one (ping-pong), else one per 64 rows, at most two (a
+    256-row tile gives each two 64-row blocks, rows [64w, 64w + 64) of each 128)."""
+    return 1 if config.schedule == "pingpong" else min(config.tile[0] // 64, 2)
 
 
 def _tile_threads(config: KernelConfig) -> int:
-    """Threads that compute one tile: a warpgroup per 64 rows (cooperative) or one warpgroup (ping-pong)."""
-    return 128 if config.schedule == "pingpong" else 128 * (config.tile[0] // 64)
+    """Threads that compute one tile."""
+    return 128 * _tile_warpgroups(config)
 
 
 def _uses_fragments(width: Fraction, dtype: str) -> bool:
@@ -413,10 +419,11 @@ def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, in
     tile while the mainloop computes; the deeper their ring, the less the epilogue waits on
     memory (see _stages for who gets how much).  Subtiles of 32 accumulator columns are
     preferred; programs with wide rings (2N outputs or inputs) take 16 columns when that buys
-    mainloop stages.  A ping-pong warpgroup computing 128 rows holds two MMA blocks per thread,
-    so its per-subtile registers double: it prefers 16 columns.  A cooperative 128x256 kernel
-    with tile inputs and no stage counts given first tries input rings a whole tile deep beside
-    TILE_INPUT_AB_STAGES mainloop stages: its epilogue then never waits for an input."""
+    mainloop stages.  A warpgroup holding two MMA blocks per thread (ping-pong with 128 rows,
+    cooperative with 256) has twice the per-subtile registers: it prefers 16 columns.  A
+    cooperative 128x256 kernel with tile inputs and no stage counts given first tries input
+    rings a whole tile deep beside TILE_INPUT_AB_STAGES mainloop stages: its epilogue then never
+    waits for an input."""
     tile_inputs = any(op.kind == "tile" for op in program.operands)
     if config.in_stages and not tile_inputs:
         raise UnsupportedError(f"in_stages {config.in_stages}: program {program.name!r} has no tile inputs to load")

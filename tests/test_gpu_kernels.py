@@ -193,6 +193,13 @@ def test_library_program_pingpong_128x192(name):
     run_and_compare(_sized(name, 1040), 700, 1040, 136, tile=(128, 192), cluster=(1, 2), schedule="pingpong")
 
 
+@pytest.mark.parametrize("name", _gpu_programs())
+def test_library_program_256_rows(name):
+    """Cooperative 256x128 tiles: two warpgroups, each holding two 64-row MMA blocks per thread;
+    M not a multiple of the tile."""
+    run_and_compare(_sized(name, 1040), 700, 1040, 136, tile=(256, 128), cluster=(2, 1), schedule="cooperative")
+
+
 @pytest.mark.parametrize("tile,cluster,schedule", [((128, 256), (2, 1), "cooperative"),
                                                    ((64, 256), (1, 2), "pingpong")])
 @pytest.mark.parametrize("name", [n for n in _gpu_programs() if any(op.kind == "tile" for op in library.get(n).operands)])

@@ -31,6 +31,8 @@ CONFIGS = [
     ("gemm", KernelConfig(tile=(128, 128), schedule="pingpong", cluster=(1, 2))),  # two MMA blocks per warpgroup
     ("gemm", KernelConfig(tile=(128, 192), schedule="pingpong", cluster=(1, 2))),  # 192 accumulators per thread
     ("rmsnorm_bwd", KernelConfig(tile=(128, 256), cluster=(1, 2))),  # 16-column subtiles
+    ("gemm", KernelConfig(tile=(256, 128), cluster=(2, 1))),  # two warpgroups, two MMA blocks each
+    ("rmsnorm_bwd", KernelConfig(tile=(256, 128), cluster=(2, 1))),
 ]
 THREADS = (0, 1, 2, 3, 4, 31, 32, 63, 77, 127, 128, 200, 255)
 
@@ -94,6 +96,8 @@ VIEW_CONFIGS = [
     ("swiglu", KernelConfig(tile=(128, 128), schedule="pingpong")),
     ("swiglu_bwd", KernelConfig(tile=(128, 192), schedule="pingpong", cluster=(1, 2))),
     ("swiglu", KernelConfig(tile=(128, 192), schedule="pingpong")),
+    ("swiglu", KernelConfig(tile=(256, 128), cluster=(2, 1))),
+    ("swiglu_bwd", KernelConfig(tile=(256, 128), cluster=(2, 1))),
 ]
 
 
@@ -259,8 +263,9 @@ def test_word_views_address_what_the_ring_views_address(config):
 
 @pytest.mark.parametrize("kind", ["sum", "max"])
 @pytest.mark.parametrize("config", [KernelConfig(tile=(128, 256), cluster=(1, 2)),  # 32-column subtiles
-                                    KernelConfig(tile=(128, 128), schedule="pingpong", cluster=(1, 2))],  # 16
-                         ids=["128x256-cooperative", "128x128-pingpong"])
+                                    KernelConfig(tile=(128, 128), schedule="pingpong", cluster=(1, 2)),  # 16
+                                    KernelConfig(tile=(256, 128), cluster=(2, 1))],  # two MMA blocks, 8 warps
+                         ids=["128x256-cooperative", "128x128-pingpong", "256x128-cooperative"])
 def test_column_exchange_parks_each_columns_warp_total_in_its_slot(config, kind):
     """A column reduction folds each subtile's values over the 8 threads sharing a column by
     halving exchanges (lower._warp_column_exchange).  Run its lines for one warp in PyTorch,
