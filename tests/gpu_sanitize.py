@@ -3,6 +3,7 @@
     python tests/gpu_sanitize.py                                  # warm the kernel cache first
     compute-sanitizer --tool memcheck python tests/gpu_sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu_sanitize.py
+    python tests/gpu_sanitize.py 256x128                          # only the configurations with these tiles
 
 Shapes are small and ragged (every tile edge is exercised); both schedules run, and tables
 both gathered and staged in smem.
@@ -21,8 +22,12 @@ from coda_cute.runtime import Kernel  # noqa: E402
 # (schedule, tile, cluster, M, N): the last three have clusters that own tiles past M or N
 CONFIGS = [("cooperative", (128, 128), (1, 1), 200, 272), ("pingpong", (64, 128), (1, 1), 200, 272),
            ("cooperative", (128, 256), (1, 2), 200, 528), ("pingpong", (64, 256), (2, 1), 300, 272),
-           ("pingpong", (128, 128), (1, 2), 200, 528), ("pingpong", (128, 192), (1, 2), 200, 528)]
+           ("pingpong", (128, 128), (1, 2), 200, 528), ("pingpong", (128, 192), (1, 2), 200, 528),
+           ("cooperative", (256, 128), (2, 1), 300, 272)]
+TILES = sys.argv[1:]
 for schedule, tile, cluster, m, n in CONFIGS:
+    if TILES and f"{tile[0]}x{tile[1]}" not in TILES:
+        continue
     for name in _gpu_programs():
         program = _sized(name, n)
         # tables of 37 rows are gathered; of 256 rows (a multiple of every tile's rows), staged in smem
