@@ -101,7 +101,10 @@ def test_library_program_compiles_to_expected_sass(name, config_name, tmp_path):
                                source_dir=tmp_path / "src", report=True)
     if name in SPILLS_AT.get(config_name, ()):
         tile, _, schedule = runtime_defaults(program)
-        assert (tile, schedule) != (config.tile, config.schedule), f"{name}: the default must avoid a spilling tile"
+        if config.schedule == "pingpong":  # registers beside a whole-tile accumulator: the default stays cooperative
+            assert schedule == "cooperative", f"{name}: the default must avoid a spilling schedule"
+        else:
+            assert tile != config.tile, f"{name}: the default must avoid a spilling tile"
         assert compiled.spill_bytes > 0, f"{name} no longer spills at {config_name}: drop it from the list"
         return
     sass = compiled.artifacts["sass"].read_text()
