@@ -12,11 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .errors import UnsupportedError
+from .program import index_operands
 
 #: Streaming multiprocessors per GPU model (the persistent grid is sized from it).
 GPUS = {"H100": 132, "H200": 132, "H800": 132, "H100-PCIe": 114, "H20": 78}
 ARCHS = ("sm_90a",)
 INPUT_DTYPES = ("bf16", "f16")
+#: dtypes of tensor operands (row/column vectors, tiles, tables)
+OPERAND_DTYPES = ("bf16", "f16", "f32", "i32")  # i32: vectors of indices only (resolved() checks)
 #: CTA tiles (rows, accumulator columns); cooperative kernels give each 64 rows a consumer
 #: warpgroup, up to two, so a 256-row tile's warpgroups hold two 64-row MMA blocks each
 TILE_SHAPES = ((128, 256), (256, 128), (128, 192), (128, 128), (128, 64), (64, 256), (64, 128))
@@ -65,28 +68,29 @@ class KernelConfig:
 
     def check(self) -> "KernelConfig":
         """Raise UnsupportedError naming the first field this generator cannot build."""
-        if self.arch not in ARCHS:
+        if not isinstance(self.arch, str) or self.arch not in ARCHS:
             raise UnsupportedError(f"arch {self.arch!r} is not supported; supported: {', '.join(ARCHS)}")
-        if self.gpu not in GPUS:
+        if not isinstance(self.gpu, str) or self.gpu not in GPUS:
             raise UnsupportedError(f"GPU {self.gpu!r} is unknown; known: {', '.join(GPUS)}")
-        if self.dtype not in INPUT_DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in INPUT_DTYPES:
             raise UnsupportedError(f"input dtype {self.dtype!r} is not supported; expected bf16 or f16")
-        if len(self.majors) != 2 or self.majors[0] not in "km" or self.majors[1] not in "kn":
+        if not isinstance(self.majors, str) or len(self.majors) != 2 or self.majors[0] not in "km" \
+                or self.majors[1] not in "kn":
             raise UnsupportedError(
                 f"majors {self.majors!r}: expected A's major ('k' or 'm') then B's ('k' or 'n'), e.g. 'kk'"
             )
-        if tuple(self.tile) not in TILE_SHAPES:
-            raise UnsupportedError(f"tile {self.tile} is not supported; choose one of {TILE_SHAPES}")
-        if tuple(self.cluster) not in CLUSTER_SHAPES:
-            raise UnsupportedError(f"cluster {self.cluster} is not supported; choose one of {CLUSTER_SHAPES}")
-        if self.schedule not in SCHEDULES:
+        if _pair_of(self.tile) not in TILE_SHAPES:
+            raise UnsupportedError(f"tile {self.tile!r} is not supported; choose one of {TILE_SHAPES}")
+        if _pair_of(self.cluster) not in CLUSTER_SHAPES:
+            raise UnsupportedError(f"cluster {self.cluster!r} is not supported; choose one of {CLUSTER_SHAPES}")
+        if not isinstance(self.schedule, str) or self.schedule not in SCHEDULES:
             raise UnsupportedError(f"schedule {self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
         if self.schedule == "pingpong" and self.tile[0] * self.tile[1] > 128 * 192:
             raise UnsupportedError(
                 f"tile {self.tile}: ping-pong gives each warpgroup a whole tile, whose fp32 accumulator must fit "
                 "192 registers per thread (64x128, 64x256, 128x64, 128x128 or 128x192)"
             )
-        if self.ab_stages and not 2 <= self.ab_stages <= 8:
+        if type(self.ab_stages) is not int or self.ab_stages and not 2 <= self.ab_stages <= 8:
             raise UnsupportedError(f"ab_stages {self.ab_stages}: expected 2..8 mainloop stages, or 0 for automatic")
         for name in ("epi_stages", "in_stages"):
             depth = getattr(self, name)
@@ -98,6 +102,12 @@ class KernelConfig:
             raise UnsupportedError(f"stage_tables {self.stage_tables!r}: expected True or False")
         if type(self.swizzle) is not int or self.swizzle not in SWIZZLES:
             raise UnsupportedError(f"swizzle {self.swizzle!r}: expected one of {', '.join(map(str, SWIZZLES))}")
+        for name, dtype in _named_pairs(self.operand_dtypes, "operand_dtypes"):
+            if dtype not in OPERAND_DTYPES:
+                raise UnsupportedError(f"operand {name!r}: dtype {dtype!r} is not one of {', '.join(OPERAND_DTYPES)}")
+        for name, period in _named_pairs(self.table_periods, "table_periods"):
+            if type(period) is not int or period <= 0:
+                raise UnsupportedError(f"table {name!r}: period {period!r} is not a positive integer")
         return self
 
     def resolved(self, program) -> "KernelConfig":
@@ -112,9 +122,13 @@ class KernelConfig:
                 f"operand dtype(s) given for {unknown}, which are not tensor operands of {program.name!r}"
             )
         dtypes = tuple((op.name, given.get(op.name, self.dtype)) for op in tensors)
+        indices = index_operands(program)
         for name, dtype in dtypes:
-            if dtype not in ("bf16", "f16", "f32"):
-                raise UnsupportedError(f"operand {name!r}: dtype {dtype!r} is not one of bf16, f16, f32")
+            if dtype not in OPERAND_DTYPES:
+                raise UnsupportedError(f"operand {name!r}: dtype {dtype!r} is not one of {', '.join(OPERAND_DTYPES)}")
+            if dtype == "i32" and name not in indices:
+                raise UnsupportedError(f"operand {name!r}: int32 is for row or column vectors the program compares "
+                                       "with .row or .col (indices); use bf16, f16 or f32")
         periods = dict(self.table_periods)
         tables = tuple((op.name, periods[op.name]) for op in tensors if op.kind == "table" and op.name in periods)
         staged = self.stage_tables and any(op.kind == "table" for op in tensors)
@@ -143,6 +157,21 @@ class KernelConfig:
                 + (f", output rings {self.epi_stages} deep" if self.epi_stages else "")
                 + (f", input rings {self.in_stages} deep" if self.in_stages else "")
                 + (", tables staged in smem" if self.stage_tables else ""))
+
+
+def _pair_of(value) -> tuple | None:
+    """``value`` as a tuple of two ints (tiles, clusters), or None."""
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(type(v) is int for v in value):
+        return tuple(value)
+    return None
+
+
+def _named_pairs(items, what: str) -> tuple:
+    """``items`` as (name, value) pairs, or an UnsupportedError saying what ``what`` must be."""
+    if not isinstance(items, tuple) or not all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str)
+                                               for i in items):
+        raise UnsupportedError(f"{what} {items!r}: expected a tuple of (operand name, value) pairs")
+    return items
 
 
 def parse_pair(text: str, what: str) -> tuple[int, int]:

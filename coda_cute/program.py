@@ -42,6 +42,10 @@ WIDTHS = (Fraction(1, 2), Fraction(1), Fraction(2))
 
 # keywords, soft keywords included, spelled out so every Python version accepts the same names
 _RESERVED = frozenset(keyword.kwlist) | {"match", "case", "type", "_"}
+#: keyword parameters of a kernel call (``Kernel.__call__``) that an operand name would shadow
+CALL_KEYWORDS = frozenset({"out", "return_partials"})
+#: value types a node may have: numbers, coordinates and integer constants, comparison results
+NODE_DTYPES = ("f32", "i32", "bool")
 _NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,47}\Z")
 _INT32 = (-(2**31), 2**31 - 1)
 
@@ -79,6 +83,9 @@ def check_name(name: object, what: str) -> str:
                            "it derives from yours (tma_out_D__tensor); use single underscores")
     if name in _RESERVED:
         raise ProgramError(f"{what} name {name!r} is a Python keyword; choose another name")
+    if what == "operand" and name in CALL_KEYWORDS:
+        raise ProgramError(f"operand name {name!r} is a keyword of the kernel call (kernel(a, b, out=..., "
+                           "return_partials=..., **operands)); choose another name")
     return name
 
 
@@ -133,6 +140,8 @@ ELEMENTWISE: dict[str, OpInfo] = {
         OpInfo("where", 3, "select"),
     ]
 }
+
+COMPARISONS = tuple(name for name, op in ELEMENTWISE.items() if op.kind == "compare")
 
 #: Reductions a program may ask for; each has an identity for padding partial tiles.
 REDUCTIONS = ("sum", "sumsq", "max", "maxabs", "logsumexp")
@@ -314,12 +323,21 @@ class Program:
 
     def __init__(self, name: str, operands: list[Operand], outputs: list[Output], doc: str = ""):
         self.name = check_name(name, "program")
+        if not isinstance(doc, str):
+            raise ProgramError(f"program {name!r}: its docstring must be a str, got {type(doc).__name__}")
         self.operands = tuple(operands)
         self.outputs = tuple(outputs)
         self.doc = doc
-        self._validate()
+        self.validate()
         self.nodes = self._toposort()
         self.fingerprint = hashlib.sha256(self.canonical().encode()).hexdigest()
+        self._frozen = True
+
+    def __setattr__(self, name: str, value) -> None:
+        # the fingerprint (the cache key) and the validation describe the program as built
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"a Program cannot be changed after it is built ({name!r}); build a new one")
+        super().__setattr__(name, value)
 
     # -- queries
     def operand(self, name: str) -> Operand:
@@ -340,7 +358,9 @@ class Program:
         return any(n.op == op for n in self.nodes)
 
     # -- validation
-    def _validate(self) -> None:
+    def validate(self) -> None:
+        """Raise ProgramError naming the first thing wrong with the program (done when it is built;
+        rendering checks again, so no text reaches emitted source unchecked)."""
         seen: dict[str, str] = {}
         for op in self.operands:
             check_name(op.name, "operand")
@@ -357,23 +377,23 @@ class Program:
         if not self.outputs:
             raise ProgramError(f"program {self.name!r} writes no outputs: return an expression or a dict of them")
         for out in self.outputs:
+            if not isinstance(out, Output):
+                raise ProgramError(f"program {self.name!r}: outputs must be Output records, got {type(out).__name__}")
             check_name(out.name, "output")
             if out.name in seen:
                 raise ProgramError(f"output {out.name!r} has the same name as an {seen[out.name]}")
             seen[out.name] = "output"
-            self._validate_output(out)
-        declared = {op.name for op in self.operands}
+            if not isinstance(out.node, Node):
+                raise ProgramError(f"output {out.name!r} is never written: its value is {out.node!r}, expected an expression")
+        # every node, children first, so each check may rely on its arguments being sound
+        operands = {op.name: op for op in self.operands}
         for node in _walk([o.node for o in self.outputs]):
-            if node.op == "load" and node.attrs[0] not in declared:
-                raise ProgramError(
-                    f"node {node.describe()!r} reads unknown operand {node.attrs[0]!r}; "
-                    f"declared operands: {sorted(declared) or 'none'}"
-                )
+            _check_node(node, operands)
+        for out in self.outputs:
+            self._validate_output(out)
 
     def _validate_output(self, out: Output) -> None:
         node = out.node
-        if not isinstance(node, Node):
-            raise ProgramError(f"output {out.name!r} is never written: its value is {node!r}, expected an expression")
         if node.dtype != "f32":
             raise ProgramError(
                 f"output {out.name!r} = {node.describe()} is {node.dtype}; outputs must be numbers "
@@ -385,8 +405,6 @@ class Program:
                 "is undefined; combine it with a column-varying value such as acc"
             )
         if out.reduce is None:
-            if node.width not in WIDTHS:
-                raise ProgramError(f"output {out.name!r} is {width_str(node.width)} wide; tiles may be N/2, N or 2N wide")
             if out.dtype is not None and out.dtype not in STORAGE_DTYPES:
                 raise ProgramError(f"output {out.name!r}: dtype {out.dtype!r} is not one of {STORAGE_DTYPES}")
         else:
@@ -445,7 +463,10 @@ class Program:
 
 
 def _walk(roots: list[Node]) -> list[Node]:
-    """Nodes reachable from ``roots`` in a deterministic post-order (children first)."""
+    """Nodes reachable from ``roots`` in a deterministic post-order (children first).
+
+    A hand-built node whose ``args`` are not a tuple of nodes is refused here, before anything
+    reads its arguments."""
     order: list[Node] = []
     seen: set[int] = set()
     stack: list[tuple[Node, bool]] = [(r, False) for r in reversed(roots) if isinstance(r, Node)]
@@ -457,9 +478,127 @@ def _walk(roots: list[Node]) -> list[Node]:
             seen.add(id(node))
             order.append(node)
         else:
+            if not isinstance(node.args, tuple) or not all(isinstance(a, Node) for a in node.args):
+                raise ProgramError(f"node with op {node.op!r}: its arguments must be a tuple of nodes, got {node.args!r}")
             stack.append((node, True))
             stack.extend((a, False) for a in reversed(node.args) if id(a) not in seen)
     return order
+
+
+def reads_as_index(node: Node, arg: Node) -> bool:
+    """Whether the comparison ``node`` reads its argument ``arg``, an operand's value, as an
+    integer: the other side is an integer (a coordinate such as ``acc.col``).  An int32 operand
+    is then compared as an integer, exactly, by every consumer (the kernel and the reference);
+    everywhere else operand values are fp32."""
+    return (node.op in COMPARISONS and arg.op == "load"
+            and any(other.dtype == "i32" for other in node.args if other is not arg))
+
+
+def index_operands(program: "Program") -> dict[str, tuple[tuple[str, Fraction | None], ...]]:
+    """Row and column vectors compared with coordinates, by name: for each, the coordinates it is
+    compared with, ('row', None) or ('col', width).  Such a vector holds indices (class targets),
+    so its dtype must hold every index of that coordinate exactly (arguments.bind checks)."""
+    found: dict[str, set] = {}
+    for node in program.nodes:
+        for arg in node.args:
+            if not reads_as_index(node, arg) or program.operand(arg.attrs[0]).kind not in ("row", "col"):
+                continue
+            for other in node.args:
+                for coord in _walk([other]) if other is not arg else ():
+                    if coord.op in ("row", "col"):
+                        found.setdefault(arg.attrs[0], set()).add((coord.op, coord.width))
+    return {name: tuple(sorted(axes, key=str)) for name, axes in found.items()}
+
+
+#: ops that are not elementwise: how each value enters or changes column space
+STRUCTURAL_OPS = ("acc", "load", "const", "row", "col", "cast", "pair", "interleave", "segreduce")
+
+
+def _check_node(node: Node, operands: dict[str, Operand]) -> None:
+    """Refuse a node the frontend could not have built: an unknown op, attributes of the wrong
+    kind, a hint that is not a safe name, or a dtype / width other than its op gives.  Programs
+    built by hand (``Program(...)`` of ``Node``s) pass through here like traced ones, so every
+    consumer (lowering, the reference, the emitted source's comments) reads sound nodes only."""
+    op = node.op
+    if not isinstance(op, str) or (op not in STRUCTURAL_OPS and op not in ELEMENTWISE):
+        raise ProgramError(f"node op {op!r} is unknown; expected one of {', '.join(STRUCTURAL_OPS)} or an "
+                           f"elementwise op ({', '.join(ELEMENTWISE)})")
+    if node.hint is not None:
+        check_name(node.hint, "value")
+    if node.dtype not in NODE_DTYPES:
+        raise ProgramError(f"node {op!r} has dtype {node.dtype!r}; values are one of {NODE_DTYPES}")
+    if node.width is not None and node.width not in WIDTHS:
+        raise ProgramError(f"node {op!r} is {width_str(node.width)} wide; values are N/2, N or 2N wide "
+                           "(or the same along a row)")
+    if not isinstance(node.attrs, tuple):
+        raise ProgramError(f"node {op!r}: attrs must be a tuple, got {node.attrs!r}")
+    expected = _expected_type(node, operands)
+    if (node.dtype, node.width) != expected:
+        raise ProgramError(f"node {node.describe()}: dtype {node.dtype} and width {width_str(node.width)} do not "
+                           f"follow from its op and arguments ({expected[0]}, {width_str(expected[1])})")
+
+
+def _expected_type(node: Node, operands: dict[str, Operand]) -> tuple[str, Fraction | None]:
+    """(dtype, width) that ``node``'s op and arguments give, checking its arity and attributes."""
+    op, args, attrs = node.op, node.args, node.attrs
+    if op in ELEMENTWISE:
+        if attrs:
+            raise ProgramError(f"node {op!r} takes no attributes, got {attrs!r}")
+        built = make_elementwise(op, list(args))
+        return built.dtype, built.width
+    arity = {"cast": 1, "pair": 1, "segreduce": 1, "interleave": 2}.get(op, 0)
+    if len(args) != arity:
+        raise ProgramError(f"node {op!r} takes {arity} argument(s), got {len(args)}")
+    if op == "acc":
+        _expect_attrs(node, 0)
+        return "f32", Fraction(1)
+    if op == "load":
+        _expect_attrs(node, 1)
+        name = attrs[0]
+        if name not in operands:
+            raise ProgramError(f"node {name!r} reads unknown operand {name!r}; "
+                               f"declared operands: {sorted(operands) or 'none'}")
+        return "f32", operands[name].width
+    if op == "const":
+        _expect_attrs(node, 1)
+        const = make_const(attrs[0])  # the same rules as constants in a traced function
+        return const.dtype, None
+    if op == "row":
+        _expect_attrs(node, 0)
+        return "i32", None
+    if op == "col":
+        _expect_attrs(node, 0)
+        return "i32", node.width
+    x = args[0]
+    if op == "cast":
+        _expect_attrs(node, 1)
+        if attrs[0] not in STORAGE_DTYPES or x.dtype == "bool":
+            raise ProgramError(f"cast of {x.describe()} to {attrs[0]!r}: expected a number cast to one of {STORAGE_DTYPES}")
+        return "f32", x.width
+    if op == "pair":
+        _expect_attrs(node, 1)
+        if attrs[0] not in (0, 1) or isinstance(attrs[0], bool) or x.width not in (Fraction(1), Fraction(2)):
+            raise ProgramError(f"pair {attrs[0]!r} of {x.describe()}: expected half 0 or 1 of an N- or 2N-wide value")
+        return x.dtype, x.width / 2
+    if op == "interleave":
+        _expect_attrs(node, 0)
+        width = join_widths(list(args), f"interleave({x.describe()}, {args[1].describe()})")
+        if width not in (Fraction(1, 2), Fraction(1)) or "bool" in (x.dtype, args[1].dtype):
+            raise ProgramError(f"interleave({x.describe()}, {args[1].describe()}): expected two N/2- or N-wide numbers")
+        return ("f32" if "f32" in (x.dtype, args[1].dtype) else "i32"), width * 2
+    # segreduce
+    _expect_attrs(node, 2)
+    kind, segment = attrs
+    if kind not in REDUCTIONS or isinstance(segment, bool) or not isinstance(segment, int) or segment <= 0:
+        raise ProgramError(f"segment reduction {attrs!r}: expected (one of {REDUCTIONS}, a positive segment width)")
+    if x.width is None or x.dtype == "bool":
+        raise ProgramError(f"row_{kind}({x.describe()}, segment={segment}): needs a column-varying number")
+    return "f32", x.width
+
+
+def _expect_attrs(node: Node, count: int) -> None:
+    if len(node.attrs) != count:
+        raise ProgramError(f"node {node.op!r} takes {count} attribute(s), got {node.attrs!r}")
 
 
 def _encode(value: object) -> object:

@@ -47,13 +47,26 @@ def emit_command(program: Program, config: KernelConfig) -> str:
     return " ".join(parts)
 
 
+def docstring_text(line: str) -> str:
+    """``line`` as it may stand inside the emitted module's triple-quoted docstring: backslashes
+    and non-printable characters escaped, no run of three quotes, so no text a user wrote (a
+    program's docstring) can end the string or change what it says."""
+    escaped = "".join(c if c.isprintable() and c != "\\" else c.encode("unicode_escape").decode("ascii")
+                      for c in line)
+    return escaped.replace('"""', '\\"\\"\\"')
+
+
 def render(ctx: Context, config: KernelConfig | None = None) -> str:
+    """The module's source.  Every text from the user reaches it through here: the program is
+    validated again (names and hints are identifiers, constants numbers) and its listing, which
+    quotes the docstring, is escaped for the module docstring."""
     config = ctx.config
+    ctx.program.validate()
     template = environment().get_template(TEMPLATES[config.arch])
     return template.render(
         version=__version__,
         command=emit_command(ctx.program, config),
-        program_listing=ctx.program.describe().splitlines(),
+        program_listing=[docstring_text(line) for line in ctx.program.describe().splitlines()],
         fast_tiles=ctx.fast_tiles,
         inputs_in_registers=ctx.inputs_in_registers,
         table_gather=ctx.table_gather(),

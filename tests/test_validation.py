@@ -508,7 +508,7 @@ def test_program_built_directly_is_validated():
         Program("p", [], [Output("D", acc), Output("D", acc)])
     with raises_program(r"output 'D': dtype 'int8' is not one of \('f32', 'bf16', 'f16', 'in'\)"):
         Program("p", [], [Output("D", acc, "int8")])
-    with raises_program(r"output 'D' is 4\*N wide; tiles may be N/2, N or 2N wide"):
+    with raises_program(r"node 'load' is 4\*N wide; values are N/2, N or 2N wide"):
         Program("p", [], [Output("D", Node("load", (), ("t",), "f32", Fraction(4)))])
     with raises_program(r"output 's': reduction 'mean' is not one of"):
         Program("p", [], [Output("s", acc, None, "mean", "row")])
