@@ -6,37 +6,57 @@ template and generator sources, and the CuTe DSL / TVM-FFI versions and library 
 Anything missing from that list would let a stale kernel be loaded, so it fails closed:
 if a version cannot be read, the key says "unknown" and nothing old matches it.
 
-Disk layout (``cache_dir()``, private to the user, mode 0700):
+Disk layout (``cache_dir()``):
 
     <root>/<key[:2]>/<key>/kernel.o        exported object (TVM-FFI), loaded with load_module
                           kernel.py        the emitted source it was compiled from
-                          manifest.json    key fields, versions, compile time, sha256 of kernel.o
+                          manifest.json    key fields, versions, compile time, sha256 of both files
     <root>/locks/<key>.lock                held while one process compiles that key
 
-An entry is written into a temporary folder and renamed into place, so readers see a
-whole entry or none; a manifest whose checksum does not match its object is rebuilt.
+Native code is loaded from here, so nothing is loaded that someone else could have written:
+the root, its parents, and every folder and file of an entry must belong to you (or to root,
+for a cache an administrator prepared) and be writable by nobody else (sticky parents such
+as /tmp excepted), entries must be plain folders and files (no links), and both files must
+match the manifest's checksums.  A root that fails these checks is not used at all (kernels
+stay in memory, with one warning); an entry that fails them is never loaded and is rebuilt.
+A root you cannot write (your own read-only folder, or one owned by root) is used read-only:
+its entries load, new kernels stay in memory.  Writing is best effort: a full disk or a
+vanished folder costs a warning, never a call.
+
+An entry is written into a temporary folder and renamed into place, so readers see a whole
+entry or none; whatever else sits at an entry's path (an interrupted write or ``clear``, a
+stray file) is removed and rebuilt by the process holding that key's lock.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+
+import filelock
 
 from .config import KernelConfig
 from .program import Program
 
 ENV_DIR = "CODA_CUTE_CACHE_DIR"
 ENV_DISABLE = "CODA_CUTE_NO_DISK_CACHE"
-_GENERATOR_FILES = ("program.py", "lower.py", "render.py", "compile.py", "config.py", "cache.py")
+#: seconds a process waits for another one compiling the same key before compiling it too
+LOCK_TIMEOUT = 300.0
+_FILES = ("kernel.o", "kernel.py")
+
+
+class CacheWarning(UserWarning):
+    """The disk cache could not be used as asked; kernels stay in memory."""
 
 
 @dataclass
@@ -50,7 +70,10 @@ class CacheEntry:
 
 
 _MEMORY: dict[str, CacheEntry] = {}
-_LOCK = threading.Lock()
+_KEY_LOCKS: dict[str, threading.Lock] = {}
+_LOCK = threading.Lock()  # guards the two dicts above, held only to read or add to them
+_COMPILE_LOCK = threading.Lock()  # one cute.compile at a time per process (the DSL's compiler state)
+_WARNED: set[str] = set()
 
 
 def cache_dir() -> Path:
@@ -62,12 +85,68 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _private_dir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)  # native code is loaded from here: nobody else may write it
-    return path
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, CacheWarning, stacklevel=4)
 
 
+# ----------------------------------------------------------------------------- trust
+def _trusted_owner(uid: int) -> bool:
+    return uid in (os.geteuid(), 0)
+
+
+def _untrusted(path: Path, *, want_dir: bool, follow: bool = False) -> str | None:
+    """Why ``path`` may not be trusted, or None: it must be a folder (or a plain file) owned by
+    you or root and writable by nobody else; with ``follow``, a link to such a thing is fine."""
+    info = os.stat(path) if follow else os.lstat(path)
+    kind = stat.S_ISDIR(info.st_mode) if want_dir else stat.S_ISREG(info.st_mode)
+    if not kind:
+        return f"{path} is not a {'folder' if want_dir else 'plain file'}"
+    if not _trusted_owner(info.st_uid):
+        return f"{path} belongs to uid {info.st_uid}, not to you (uid {os.geteuid()}) or root"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by {'group' if info.st_mode & stat.S_IWGRP else 'others'}"
+    return None
+
+
+def _untrusted_parents(path: Path) -> str | None:
+    """Why the folders above ``path`` could let someone else replace it, or None: each must be
+    owned by you or root and writable by nobody else, unless sticky (like /tmp)."""
+    for parent in path.parents:
+        info = os.stat(parent)
+        open_to_others = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX
+        if not _trusted_owner(info.st_uid) or open_to_others:
+            return f"{parent} (above the cache) can be changed by uid {info.st_uid} or others"
+    return None
+
+
+def _open_root() -> tuple[Path | None, bool]:
+    """(the cache root, whether this process may write it), or (None, False) where it may not
+    be used at all (then one warning says why)."""
+    if os.environ.get(ENV_DISABLE):
+        return None, False
+    root = cache_dir()
+    try:
+        if not root.exists():
+            root.mkdir(parents=True, mode=0o700)
+            os.chmod(root, 0o700)  # mkdir's mode is masked by the umask
+        root = root.resolve()
+        why = _untrusted(root, want_dir=True) or _untrusted_parents(root)
+    except OSError as exc:
+        why = f"{root} cannot be used ({exc.strerror or exc})"
+    if why:
+        _warn_once(f"coda-cute kernel cache not used: {why}; compiled kernels stay in memory "
+                   f"(set {ENV_DIR} to a private folder)")
+        return None, False
+    info = os.lstat(root)  # the owner's write bit, not os.access: root may write anywhere, but a
+    writable = info.st_uid == os.geteuid() and bool(info.st_mode & stat.S_IWUSR)  # read-only folder says "don't"
+    if not writable:
+        _warn_once(f"coda-cute kernel cache {root} is read-only for you: its kernels load, new ones stay in memory")
+    return root, writable
+
+
+# ----------------------------------------------------------------------------- keys
 @lru_cache(maxsize=1)
 def environment_fields() -> dict:
     """Versions of what compiles and loads kernels; 'unknown' never matches an old entry."""
@@ -86,16 +165,21 @@ def environment_fields() -> dict:
         fields["tvm_ffi"] = tvm_ffi.__version__
     except Exception:
         fields["tvm_ffi"] = f"unknown-{time.time_ns()}"
-    here = Path(__file__).resolve().parent
-    digest = hashlib.sha256()
-    for name in _GENERATOR_FILES:
-        digest.update((here / name).read_bytes())
+    fields["generator"] = generator_digest()
+    return fields
+
+
+def generator_digest() -> str:
+    """sha256 over every source file of the package and every template: a change anywhere in
+    the generator gives new keys, with no list of files to keep up to date."""
     from .library import resource_dir
 
-    for template in sorted(resource_dir("templates").glob("*.j2")):
-        digest.update(template.read_bytes())
-    fields["generator"] = digest.hexdigest()
-    return fields
+    here = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    files = sorted(here.rglob("*.py")) + sorted(resource_dir("templates").rglob("*.j2"))
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def key_fields(program: Program, config: KernelConfig) -> dict:
@@ -111,111 +195,194 @@ def _jsonable(value):
     return [_jsonable(v) for v in value] if isinstance(value, (tuple, list)) else value
 
 
+# ----------------------------------------------------------------------------- get
 def get_kernel(program: Program, config: KernelConfig) -> CacheEntry:
-    """The compiled kernel for (program, config): from memory, disk, or a fresh compile."""
+    """The compiled kernel for (program, config): from memory, disk, or a fresh compile.
+
+    Threads asking for one key wait for each other; other keys go on (loads in parallel,
+    compiles one at a time)."""
     config = config.resolved(program)
     key = cache_key(program, config)
-    with _LOCK:
-        entry = _MEMORY.get(key)
-        if entry is not None:
-            return entry
-        entry = _load_or_compile(program, config, key)
-        _MEMORY[key] = entry
+    entry = _MEMORY.get(key)
+    if entry is not None:
         return entry
+    with _LOCK:
+        key_lock = _KEY_LOCKS.setdefault(key, threading.Lock())
+    with key_lock:
+        entry = _MEMORY.get(key)
+        if entry is None:
+            entry = _load_or_compile(program, config, key)
+            _MEMORY[key] = entry
+    return entry
 
 
 def _load_or_compile(program: Program, config: KernelConfig, key: str) -> CacheEntry:
-    if os.environ.get(ENV_DISABLE):
-        return _compile(program, config, key, None)
-    folder = _private_dir(cache_dir()) / key[:2] / key
+    root, writable = _open_root()
+    if root is None:
+        return _compile(program, config, key)
+    folder = root / key[:2] / key
     entry = _load(folder, key)
-    if entry is not None:
-        return entry
-    lock_path = _private_dir(cache_dir() / "locks") / f"{key}.lock"
-    with open(lock_path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one process compiles a key; the others wait, then load
-        try:
-            entry = _load(folder, key)
-            if entry is None:
-                entry = _compile(program, config, key, folder)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    if entry is not None or not writable:
+        return entry or _compile(program, config, key)
+    try:
+        locks = _private_subdir(root / "locks")
+        lock = filelock.FileLock(str(locks / f"{key}.lock"), timeout=LOCK_TIMEOUT)
+        lock.acquire()
+    except filelock.Timeout:
+        _warn_once(f"waited {LOCK_TIMEOUT:.0f} s for another process compiling into {root}; compiling here too")
+        lock = None
+    except OSError as exc:
+        _warn_once(f"coda-cute kernel cache {root}: cannot lock ({exc.strerror or exc}); kernels stay in memory")
+        return _compile(program, config, key)
+    try:
+        entry = _load(folder, key)  # the lock holder before us may have written it
+        if entry is None:
+            entry = _compile(program, config, key)
+            _store(entry, program, config, folder)
+    finally:
+        if lock is not None:
+            lock.release()
     return entry
+
+
+def _private_subdir(path: Path) -> Path:
+    """A folder of the cache root: created private, else it must pass the trust checks (a stray
+    file or link in its place is removed first)."""
+    if os.path.lexists(path) and (path.is_symlink() or not path.is_dir()):
+        path.unlink()
+    try:
+        path.mkdir(mode=0o700)
+        os.chmod(path, 0o700)
+    except FileExistsError:
+        why = _untrusted(path, want_dir=True)
+        if why:
+            raise PermissionError(why) from None
+    return path
 
 
 def _load(folder: Path, key: str) -> CacheEntry | None:
-    manifest_path, obj = folder / "manifest.json", folder / "kernel.o"
-    if not manifest_path.exists():
-        return None
+    """The entry at ``folder`` if everything in it passes the trust checks and matches its
+    manifest, else None (nothing from it is loaded)."""
+    manifest_path = folder / "manifest.json"
     try:
+        if not manifest_path.exists():
+            return None
+        why = (_untrusted(folder.parent, want_dir=True) or _untrusted(folder, want_dir=True)
+               or next(filter(None, (_untrusted(folder / n, want_dir=False) for n in ("manifest.json", *_FILES))), None))
+        if why:
+            _warn_once(f"coda-cute kernel cache: not loading {folder.name[:12]}: {why}")
+            return None
         manifest = json.loads(manifest_path.read_text())
-        if manifest.get("key") != key or _sha256(obj) != manifest.get("object_sha256"):
-            raise ValueError("checksum mismatch")
+        source = (folder / "kernel.py").read_bytes()
+        if (not isinstance(manifest, dict) or manifest.get("key") != key
+                or manifest.get("object_sha256") != _sha256(folder / "kernel.o")
+                or manifest.get("source_sha256") != hashlib.sha256(source).hexdigest()):
+            return None
         start = time.perf_counter()
         from cutlass.cute.runtime import load_module
 
-        function = load_module(str(obj), enable_tvm_ffi=True)["func"]
-        source = (folder / "kernel.py").read_text()
-        return CacheEntry(key, function, source, "disk", folder, time.perf_counter() - start)
-    except Exception:
-        shutil.rmtree(folder, ignore_errors=True)  # truncated or corrupted: rebuild, never load
+        function = load_module(str(folder / "kernel.o"), enable_tvm_ffi=True)["func"]
+        return CacheEntry(key, function, source.decode(), "disk", folder, time.perf_counter() - start)
+    except Exception:  # unreadable, half-written, or refused by the loader: rebuilt by the lock holder
         return None
 
 
-def _compile(program: Program, config: KernelConfig, key: str, folder: Path | None) -> CacheEntry:
+def _compile(program: Program, config: KernelConfig, key: str) -> CacheEntry:
     from .compile import compile_program
 
-    compiled = compile_program(program, config, tvm_ffi=True)
-    entry = CacheEntry(key, compiled.function, compiled.source, "compiled", folder, compiled.compile_seconds)
-    if folder is None:
-        return entry
-    _private_dir(folder.parent)
-    staging = Path(tempfile.mkdtemp(prefix=f".{key[:8]}-", dir=folder.parent))
+    with _COMPILE_LOCK:
+        compiled = compile_program(program, config, tvm_ffi=True)
+    return CacheEntry(key, compiled.function, compiled.source, "compiled", None, compiled.compile_seconds)
+
+
+def _store(entry: CacheEntry, program: Program, config: KernelConfig, folder: Path) -> None:
+    """Write ``entry`` at ``folder`` (caller holds the key's lock); on failure warn, keep it in memory."""
     try:
-        compiled.function.export_to_c(object_file_path=str(staging / "kernel.o"), function_name="func")
-        (staging / "kernel.py").write_text(compiled.source)
-        manifest = {
-            "key": key,
-            "fields": key_fields(program, config),
-            "program": program.name,
-            "config": config.describe(),
-            "compile_seconds": round(compiled.compile_seconds, 3),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "object_sha256": _sha256(staging / "kernel.o"),
-        }
-        (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        os.rename(staging, folder)  # atomic: readers see the whole entry or none
-        entry.path = folder
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (folder / "manifest.json").exists():
+        shard = _private_subdir(folder.parent)
+        _remove_leftovers(folder, shard)
+        staging = Path(tempfile.mkdtemp(prefix=f".{entry.key[:8]}-", dir=shard))
+        try:
+            entry.function.export_to_c(object_file_path=str(staging / "kernel.o"), function_name="func")
+            (staging / "kernel.py").write_text(entry.source)
+            manifest = {
+                "key": entry.key,
+                "fields": key_fields(program, config),
+                "program": program.name,
+                "config": config.describe(),
+                "compile_seconds": round(entry.seconds, 3),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "object_sha256": _sha256(staging / "kernel.o"),
+                "source_sha256": hashlib.sha256(entry.source.encode()).hexdigest(),
+            }
+            (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            for name in ("manifest.json", *_FILES):
+                os.chmod(staging / name, 0o600)  # whatever the umask: readable and writable by you only
+            os.rename(staging, folder)  # atomic: readers see the whole entry or none
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
             raise
-    return entry
+        entry.path = folder
+    except OSError as exc:
+        _warn_once(f"coda-cute kernel cache: cannot write {folder.parent.parent} ({exc.strerror or exc}); "
+                   "compiled kernels stay in memory")
+
+
+def _remove_leftovers(folder: Path, shard: Path) -> None:
+    """Clear the way for a new entry: whatever is at ``folder`` (an entry without a manifest, a
+    stray file, a damaged or untrusted entry) and this key's staging folders that an interrupted
+    write left behind (only the lock holder makes them, so any seen now are stale)."""
+    if os.path.lexists(folder):
+        if folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder)
+        else:
+            folder.unlink()
+    for stale in shard.glob(f".{folder.name[:8]}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""
 
 
+# ----------------------------------------------------------------------------- listing
 def list_entries() -> list[dict]:
-    """Manifests of the disk cache's entries (for `coda-cute cache ls`)."""
+    """Manifests of the disk cache's entries (for `coda-cute cache ls`), every field a plain
+    value: a manifest that cannot be read lists as "corrupted manifest"."""
     root = cache_dir()
     found = []
-    for manifest in sorted(root.glob("*/*/manifest.json")):
+    for manifest in sorted(root.glob("*/*/manifest.json")) if root.is_dir() else []:
         try:
             data = json.loads(manifest.read_text())
-        except (OSError, ValueError):
-            data = {"key": manifest.parent.name, "program": "?", "config": "corrupted manifest"}
-        data["path"] = str(manifest.parent)
-        data["bytes"] = sum(p.stat().st_size for p in manifest.parent.iterdir())
-        found.append(data)
+        except (OSError, ValueError, UnicodeDecodeError):
+            data = None
+        if not isinstance(data, dict):
+            data = {"config": "corrupted manifest"}
+        seconds = data.get("compile_seconds")
+        found.append({
+            "key": str(data.get("key", manifest.parent.name)), "program": str(data.get("program", "?")),
+            "config": str(data.get("config", "?")), "created": str(data.get("created", "?")),
+            "compile_seconds": seconds if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) else None,
+            "path": str(manifest.parent),
+            "bytes": sum(p.stat().st_size for p in manifest.parent.iterdir() if p.is_file()),
+        })
     return found
 
 
 def clear() -> int:
-    """Remove every disk entry; returns how many were removed.  Memory entries stay loaded."""
-    entries = list_entries()
-    for entry in entries:
-        shutil.rmtree(entry["path"], ignore_errors=True)
-    shutil.rmtree(cache_dir() / "locks", ignore_errors=True)
-    return len(entries)
+    """Remove every disk entry (and what interrupted writes left); returns how many entries were
+    removed.  Memory entries stay loaded."""
+    root = cache_dir()
+    if not root.is_dir():
+        return 0
+    removed = 0
+    for shard in root.iterdir():
+        if shard.name == "locks" or not shard.is_dir() or shard.is_symlink():
+            continue
+        for item in shard.iterdir():
+            removed += (item / "manifest.json").exists() and not item.name.startswith(".")
+            if item.is_dir() and not item.is_symlink():
+                shutil.rmtree(item, ignore_errors=True)
+            else:
+                item.unlink(missing_ok=True)
+    shutil.rmtree(root / "locks", ignore_errors=True)
+    return removed

@@ -5,6 +5,7 @@ their TVM-FFI objects load without a GPU)."""
 import json
 import multiprocessing as mp
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -155,3 +156,158 @@ def test_two_processes_racing_on_one_key_leave_one_valid_entry(cache_dir):
             if w.is_alive():
                 w.kill()
     assert all(w.exitcode == 0 for w in workers)
+
+
+# --------------------------------------------------------------------------- what is trusted
+def _cached_gemm(cache_dir):
+    """A valid disk entry for gemm (compiled once per test), and the (program, config) behind it."""
+    program, config = library.get("gemm"), KernelConfig()
+    entry = cache.get_kernel(program, config)
+    assert entry.origin in ("compiled", "disk") and entry.path is not None
+    cache._MEMORY.clear()
+    return program, config, entry.path
+
+
+def _fresh_get(program, config):
+    cache._MEMORY.clear()
+    cache._WARNED.clear()
+    with pytest.warns(cache.CacheWarning) as caught:
+        entry = cache.get_kernel(program, config)
+    return entry, " ".join(str(w.message) for w in caught)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_a_root_owned_by_another_user_is_never_used(cache_dir):
+    program, config, folder = _cached_gemm(cache_dir)
+    planted = folder / "kernel.o"
+    before = planted.read_bytes()
+    for path in [cache_dir, *cache_dir.rglob("*")]:
+        os.chown(path, 12345, 12345)  # another user's cache, entry and checksums all consistent
+    entry, said = _fresh_get(program, config)
+    assert entry.origin == "compiled" and entry.path is None, "nothing loaded from a foreign folder"
+    assert "belongs to uid 12345" in said and planted.read_bytes() == before, "and nothing written there"
+
+
+def test_a_root_writable_by_others_is_never_used(cache_dir):
+    program, config, _ = _cached_gemm(cache_dir)
+    os.chmod(cache_dir, 0o777)
+    entry, said = _fresh_get(program, config)
+    assert entry.origin == "compiled" and entry.path is None and "writable by group" in said
+
+
+@pytest.mark.parametrize("damage", ["group-writable object", "foreign source", "linked entry", "edited source"])
+def test_an_entry_that_fails_a_check_is_rebuilt_not_loaded(cache_dir, damage):
+    program, config, folder = _cached_gemm(cache_dir)
+    if damage == "group-writable object":
+        os.chmod(folder / "kernel.o", 0o660)
+    elif damage == "foreign source":
+        if os.geteuid() != 0:
+            pytest.skip("chown to another uid needs root")
+        os.chown(folder / "kernel.py", 12345, 12345)
+    elif damage == "linked entry":
+        moved = folder.with_name("elsewhere")
+        folder.rename(moved)
+        folder.symlink_to(moved)
+    else:  # the source a user reads back (`.source`) is covered by the manifest too
+        (folder / "kernel.py").write_text((folder / "kernel.py").read_text() + "# edited\n")
+    cache._MEMORY.clear()
+    entry = cache.get_kernel(program, config)
+    assert entry.origin == "compiled" and entry.path == folder and not folder.is_symlink()
+    cache._MEMORY.clear()
+    assert cache.get_kernel(program, config).origin == "disk", "the rebuilt entry passes every check"
+
+
+@pytest.mark.parametrize("broken", ["no manifest", "file at entry path", "stale staging folder", "file at shard"])
+def test_broken_entries_of_every_kind_are_rebuilt(cache_dir, broken):
+    program, config, folder = _cached_gemm(cache_dir)
+    shard = folder.parent
+    if broken == "no manifest":  # e.g. an interrupted `cache clear`
+        (folder / "manifest.json").unlink()
+    elif broken == "file at entry path":
+        shutil.rmtree(folder)
+        folder.write_text("not a folder")
+    elif broken == "stale staging folder":  # a write killed before its rename
+        shutil.rmtree(folder)
+        (shard / f".{folder.name[:8]}-dead").mkdir()
+    else:
+        shutil.rmtree(shard)
+        shard.write_text("not a folder")
+    for _ in range(2):  # rebuilt once, then served from disk
+        cache._MEMORY.clear()
+        entry = cache.get_kernel(program, config)
+        assert entry.path == folder
+    assert entry.origin == "disk" and sorted(p.name for p in shard.iterdir()) == [folder.name]
+
+
+def test_a_read_only_cache_is_used_read_only(cache_dir):
+    program, config, folder = _cached_gemm(cache_dir)
+    os.chmod(cache_dir, 0o500)  # the user's own folder, made read-only on purpose
+    try:
+        cache._WARNED.clear()
+        with pytest.warns(cache.CacheWarning, match="read-only"):
+            assert cache.get_kernel(program, config).origin == "disk", "its kernels load"
+            other = cache.get_kernel(library.get("bias_gelu"), config)
+        assert other.origin == "compiled" and other.path is None, "new ones stay in memory"
+        assert stat.S_IMODE(os.stat(cache_dir).st_mode) == 0o500, "and the folder is left as it was"
+        assert sorted(p.name for p in cache_dir.iterdir()) == sorted([folder.parent.name, "locks"])
+    finally:
+        os.chmod(cache_dir, 0o700)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a cache owned by root needs root to make")
+def test_a_shared_cache_prepared_by_root_loads_for_other_users(cache_dir, monkeypatch):
+    program, config, folder = _cached_gemm(cache_dir)
+    for path in [cache_dir, *cache_dir.rglob("*")]:
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)  # what an administrator hands out
+    monkeypatch.setattr(cache.os, "geteuid", lambda: 65534)  # seen by another user
+    cache._WARNED.clear()
+    with pytest.warns(cache.CacheWarning, match="read-only for you"):
+        assert cache.get_kernel(program, config).origin == "disk"
+        other = cache.get_kernel(library.get("bias_gelu"), config)
+    assert other.origin == "compiled" and other.path is None
+    assert sorted(p.name for p in cache_dir.iterdir()) == sorted([folder.parent.name, "locks"])
+
+
+def test_a_cache_that_cannot_be_written_never_fails_a_call(cache_dir, monkeypatch):
+    import errno
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cache.os, "rename", full_disk)
+    cache._WARNED.clear()
+    with pytest.warns(cache.CacheWarning, match="No space left on device"):
+        entry = cache.get_kernel(library.get("gemm"), KernelConfig())
+    assert entry.origin == "compiled" and entry.path is None
+    assert cache.get_kernel(library.get("gemm"), KernelConfig()) is entry, "kept in memory: no second compile"
+    assert not [p for p in cache_dir.rglob(".*") if p.is_dir()], "no staging folder left behind"
+
+
+def test_a_lock_held_too_long_is_waited_for_then_skipped(cache_dir, monkeypatch):
+    import filelock
+
+    program, config = library.get("gemm"), KernelConfig()
+    key = cache.cache_key(program, config)
+    (cache_dir / "locks").mkdir(parents=True, mode=0o700)
+    os.chmod(cache_dir, 0o700)
+    held = filelock.FileLock(str(cache_dir / "locks" / f"{key}.lock"))
+    held.acquire()  # a stuck process
+    try:
+        monkeypatch.setattr(cache, "LOCK_TIMEOUT", 0.2)
+        cache._WARNED.clear()
+        with pytest.warns(cache.CacheWarning, match="compiling here too"):
+            entry = cache.get_kernel(program, config)
+        assert entry.origin == "compiled" and entry.path is not None
+    finally:
+        held.release()
+
+
+def test_cache_ls_and_clear_survive_malformed_manifests(cache_dir):
+    _, _, folder = _cached_gemm(cache_dir)
+    other = folder.parent / ("0" * 64)
+    other.mkdir()
+    (other / "manifest.json").write_text("[1, 2]")
+    entries = cache.list_entries()
+    assert sorted(e["config"] for e in entries)[0] == "corrupted manifest" and len(entries) == 2
+    assert all(isinstance(e[k], str) for e in entries for k in ("key", "program", "config", "created"))
+    assert cache.clear() == 2 and cache.list_entries() == []
