@@ -55,10 +55,11 @@ class CompiledKernel:
         return sum(int(x) + int(y) for x, y in found) if found else None
 
 
-def import_source(source: str, directory: Path | None = None):
-    """Import emitted source as a module, from a file named after its hash."""
+def import_source(source: str, directory: Path):
+    """Import emitted source as a module, from a file in ``directory`` named after its hash (the
+    DSL reads a kernel's source from its file while compiling it)."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    directory = Path(directory or tempfile.mkdtemp(prefix="coda_cute_src_"))
+    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"kernel_{digest}.py"
     if not path.exists():
@@ -131,8 +132,15 @@ def compile_source(source: str, program: Program, config: KernelConfig, *, keep:
 
     With ``tvm_ffi`` the result takes torch tensors directly and launches on the current
     torch stream (the runtime's path); without, cute tensors and an explicit stream.
-    ``report`` captures ptxas' register and spill report.
+    ``report`` captures ptxas' register and spill report.  The source is imported from
+    ``source_dir``, or from a temporary folder removed once the kernel is compiled.
     """
+    if source_dir is None:
+        with tempfile.TemporaryDirectory(prefix="coda_cute_src_") as tmp:
+            compiled = compile_source(source, program, config, keep=keep, dump_dir=dump_dir, source_dir=Path(tmp),
+                                      tvm_ffi=tvm_ffi, report=report)
+        sys.modules.pop(compiled.module.__name__, None)  # its file is gone: nothing may import it again
+        return compiled
     module = import_source(source, source_dir)
     import cutlass.cute as cute
     from cutlass.runtime import make_fake_stream

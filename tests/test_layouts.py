@@ -35,13 +35,20 @@ CONFIGS = [
     ("rmsnorm_bwd", KernelConfig(tile=(256, 128), cluster=(2, 1))),
 ]
 THREADS = (0, 1, 2, 3, 4, 31, 32, 63, 77, 127, 128, 200, 255)
+SOURCE_DIR = None  # where emitted modules are imported from (the fixture below)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _source_dir(tmp_path_factory):
+    global SOURCE_DIR
+    SOURCE_DIR = tmp_path_factory.mktemp("src")
 
 
 def _check_fragment_slots(source: str) -> int:
     import cutlass
     import cutlass.cute as cute
 
-    kernel = import_source(source)
+    kernel = import_source(source, SOURCE_DIR)
     slot_expr = re.search(r"^\s*slot0 = (.+)$", source, re.M).group(1)  # the body's own formula
     slot_of = eval(f"lambda h, j, m_block, mma_m, EPI_N: {slot_expr}")  # our template's text, not user input
     threads = [t for t in THREADS if t < kernel.TILE_THREADS]
@@ -105,7 +112,7 @@ def _check_ring_views(source: str, width: str, stage_count: str) -> int:
     import cutlass
     import cutlass.cute as cute
 
-    kernel = import_source(source)
+    kernel = import_source(source, SOURCE_DIR)
     threads = [t for t in THREADS if t < kernel.TILE_THREADS]
     epi_n, stages = kernel.EPI_N, getattr(kernel, stage_count)
     # 2N-wide 16-bit rings are seen as EPI_N // 2 words: mapped like N/2 (see acc_view_of_ring)
@@ -186,7 +193,7 @@ def test_word_views_hold_four_adjacent_ring_columns(epi_n, stages):
     import cutlass.cute as cute
 
     source = emit(library.get("swiglu_bwd"), KernelConfig(tile=(128, 128), schedule="pingpong"))
-    kernel = import_source(source)
+    kernel = import_source(source, SOURCE_DIR)
     cols = 2 * epi_n
     checked = []
 
@@ -231,7 +238,7 @@ def test_word_views_address_what_the_ring_views_address(config):
     import cutlass
     import cutlass.cute as cute
 
-    kernel = import_source(emit(library.get("swiglu_bwd"), config))
+    kernel = import_source(emit(library.get("swiglu_bwd"), config), SOURCE_DIR)
     threads = [t for t in THREADS if t < kernel.TILE_THREADS]
     checked = []
 
@@ -279,7 +286,7 @@ def test_column_exchange_parks_each_columns_warp_total_in_its_slot(config, kind)
 
     from coda_cute.lower import _warp_column_exchange
 
-    kernel = import_source(emit(library.get("rmsnorm_bwd"), config))
+    kernel = import_source(emit(library.get("rmsnorm_bwd"), config), SOURCE_DIR)
     epi_n, values = kernel.EPI_N, kernel.EPI_N // 4
     column = {}  # (lane, value k) -> accumulator column, subtile 0, k = 2 * j + e as the body fills red_
 
