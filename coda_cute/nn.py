@@ -189,8 +189,17 @@ class LlamaMLP(nn.Module):
                 "mlp.up_proj.weight": up, "mlp.down_proj.weight": self.w_down.detach()}
 
 
+_ROPE_OPS: dict = {}
+
+
 def _rope_op(rotary_cols: int):
-    return library_op(library.get("rms_rope_qkv").with_constants(rotary_cols=rotary_cols))
+    """The `rms_rope_qkv` op for this many rotary columns, made once per count.  LlamaAttention
+    makes its own when built, so that under torch.compile forward only looks it up here (making
+    one reads epilogues/, which fullgraph tracing cannot follow)."""
+    op = _ROPE_OPS.get(rotary_cols)
+    if op is None:
+        op = _ROPE_OPS[rotary_cols] = library_op(library.get("rms_rope_qkv").with_constants(rotary_cols=rotary_cols))
+    return op
 
 
 def _rope_inverse(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_cols: int) -> torch.Tensor:
@@ -283,6 +292,7 @@ class LlamaAttention(nn.Module):
         angles = torch.arange(max_positions, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
+        _rope_op((self.n_heads + self.n_kv_heads) * self.head_dim)  # registered now, looked up in forward
 
     def forward(self, h: torch.Tensor, sumsq: torch.Tensor | None = None):
         batch, seq, _ = h.shape
