@@ -1,4 +1,4 @@
-"""Runtime costs of the call path: cold compile, warm load from disk, host overhead per call.
+"""What does the call path cost: cold compile, warm load from disk, host overhead per call?
 
     python benchmarks/bench_runtime.py [--out runtime.json]
 

@@ -1,4 +1,6 @@
-"""Benchmark: coda-cute kernels vs cuBLAS, PyTorch eager and torch.compile, on one GPU.
+"""How fast is each fused op against our own plain GEMM on the same operands, cuBLAS, PyTorch
+eager and torch.compile; and (`--variants`) which tile, cluster, schedule, tile order (swizzle,
+raster) and shared-memory split is fastest for it?
 
     python benchmarks/bench_sm90.py [--d 4096] [--reps 5] [--out results.json]
         [--compile-modes default max-autotune-no-cudagraphs] [--ops SwiGLU ...] [--quack] [--variants]

@@ -1,4 +1,5 @@
-"""SM clock and board power while one op of bench_sm90.py runs back to back: our fused kernel,
+"""Is a fused op slower than its GEMM by its own cycles, or because it runs at a lower SM clock?
+SM clock and board power while one op of bench_sm90.py runs back to back: our fused kernel,
 then our plain GEMM of the same operands (and cuBLAS).
 
     python benchmarks/clocks.py [--d 2048] [--ops "SwiGLU bwd" ...] [--seconds 2] [--out clocks.json]

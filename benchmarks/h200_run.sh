@@ -1,5 +1,5 @@
 #!/bin/bash
-# One step of a GPU session on the H200, run from the repository root:
+# The GPU steps on an H200, one per call, run from the repository root:
 #
 #   bash benchmarks/h200_run.sh tests    # GPU tests, 5 processes (compiling is what takes time)
 #   bash benchmarks/h200_run.sh runtime  # compile / warm-load / per-call costs
@@ -8,7 +8,7 @@
 #                                                 # OPS="RoPE bwd": only ops whose name contains a word;
 #                                                 # TREE="base=scratch/base": also another checkout's
 #                                                 # kernels, see bench_sm90.py --tree)
-#   bash benchmarks/h200_run.sh variants [LABEL ...]  # ops with other tile/schedule/stage choices
+#   bash benchmarks/h200_run.sh variants [LABEL ...]  # ops with other tile/schedule/order/stage choices
 #                                                    # (labels containing LABEL; D=2048: another d, 4096
 #                                                    # by default; OPS as for ops)
 #   bash benchmarks/h200_run.sh block [D ...]  # Llama MLP and block, forward + backward
@@ -20,10 +20,11 @@
 #   bash benchmarks/h200_run.sh profile [D [OP]]  # Nsight Compute: one fused op (a bench_sm90 name's
 #                                                 # start) beside our GEMM and cuBLAS; log in $OUT
 #
-# Results and logs go to $OUT (the device tool's output folder) or ./h200-out. With the
-# carried CuTe DSL bundle, source .device/setup.sh first; set CODA_COMMIT (there is no git
-# there). Each step fits the device tool's 10-minute limit at one d (`ops D default
-# max-autotune-no-cudagraphs` took 2.5-4 minutes per d on 2026-12-03, most of it compiling).
+# Results and logs go to $OUT, else ./h200-out. Where the checkout has no .git, set CODA_COMMIT
+# (the result files record it). Each step takes under 10 minutes at one d (`ops D default
+# max-autotune-no-cudagraphs`: 2.5-4 minutes per d, most of it compiling). Result files are
+# archived as benchmarks/results/archive/DATE-h200-<what>-<commit>.json; `python
+# benchmarks/report.py` (on any machine) renders the newest into benchmarks/RESULTS.md.
 set -u
 step=${1:?tests, runtime, ops, variants, block, clocks, sanitize or profile}
 shift
@@ -45,8 +46,8 @@ case $step in
     wait
     tail -n 3 "$out"/tests*.log ;;
   runtime)
-    # from a copy on the machine's local disk, with bytecode: the device's copy of the working
-    # tree showed 100+ ms stalls importing single small modules (warm load is an import race)
+    # from a copy on the machine's local disk, with bytecode: the checkout's own filesystem on
+    # the H200 hosts showed 100+ ms stalls importing single small modules (warm load is an import race)
     unset PYTHONDONTWRITEBYTECODE
     out=$(cd "$out" && pwd)
     rm -rf /tmp/coda-cute-runtime && cp -r . /tmp/coda-cute-runtime && cd /tmp/coda-cute-runtime || exit 1

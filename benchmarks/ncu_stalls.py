@@ -1,4 +1,5 @@
-"""Where warps stall, per kernel and per SASS instruction, from Nsight Compute's source page.
+"""Where do the warps stall, per kernel and per SASS instruction?  Read from Nsight Compute's
+source page; the second half of profile_op.py's question.
 
     ncu -i report.ncu-rep --page source --print-source sass --csv > sass.csv
     python benchmarks/ncu_stalls.py sass.csv [--top 12] [--kernel 0 --from ADDR --to ADDR]

@@ -1,6 +1,7 @@
-"""Bar chart of a benchmark result file (bench_sm90.py or bench_block.py JSON) as a PNG.
+"""How do the contenders of one run compare, at a glance?  A bar chart of a result file
+(bench_sm90.py or bench_block.py JSON) as a PNG; the tables are report.py's.
 
-    python benchmarks/plot.py benchmarks/results/<run>.json [-o chart.png]
+    python benchmarks/plot.py benchmarks/results/archive/<run>.json [-o chart.png]
 
 One group of bars per op (or block case), one bar per contender: time relative to the
 row's "cuBLAS GEMM alone" where the row has it (else ms), lower is better, with the spread
@@ -42,7 +43,7 @@ def main():
     for i, name in enumerate(names):
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(rows))]
         ms = [r[name]["ms"] / b if name in r else 0.0 for r, b in zip(rows, base)]
-        err = [r[name]["ms"] / b * r[name]["spread"] / 2 if name in r else 0.0 for r, b in zip(rows, base)]
+        err = [r[name]["ms"] / b * r[name].get("spread", 0.0) / 2 if name in r else 0.0 for r, b in zip(rows, base)]
         ax.bar(xs, ms, width, yerr=err, label=name, capsize=2)
     ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylabel("time / cuBLAS GEMM alone" if relative else "ms (lower is better)")

@@ -1,4 +1,4 @@
-"""Where a fused kernel's time goes, beside our plain GEMM and cuBLAS on the same operands: one
+"""Where does a fused kernel's time go, beside our plain GEMM and cuBLAS on the same operands?  One
 op of bench_sm90.py at one d, each launched once after a warm-up, inside a profiler range for
 Nsight Compute to capture (`ncu --profile-from-start off`).
 

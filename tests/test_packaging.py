@@ -1,8 +1,8 @@
 """The package works installed from its wheel, outside the checkout, and from a bare checkout
 on PYTHONPATH: the library programs (epilogues/) and the template (templates/) are found
-either way.  The wheel is built once per session from a copy of the checkout (so the
-build leaves no build/ or *.egg-info behind in the tree, and stale build output cannot
-leak into it): ~5 s in all."""
+either way.  The wheel is built once for this module's tests, from a copy of the checkout
+(so the build leaves no build/ or *.egg-info behind in the tree, and stale build output
+cannot leak into it): ~5 s in all."""
 
 import json
 import os
