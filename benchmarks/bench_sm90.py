@@ -155,7 +155,7 @@ def tree_contender(tree, kernel, a, b, operands):
     if program.fingerprint != library.get(program.name).fingerprint:
         print(f"{program.name}: not the library's program (constants set), so {tree} cannot emit it", flush=True)
         return None
-    plan = kernel.plan(a, b, operands, None)
+    plan, _ = kernel.plan(a, b, operands, None)
     command = shlex.split(emit_command(program, plan.config))[1:]  # emit NAME --flags...
     path_first = os.pathsep.join([os.path.abspath(tree), os.environ.get("PYTHONPATH", "")])  # its coda_cute
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,18 +17,13 @@ Layers, in the order a program flows through them (one module each):
 
 __version__ = "0.1.0"
 
-import warnings  # noqa: E402
-
-# torch's CPU wheel warns at import when numpy is absent; coda-cute never hands torch numpy data
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
-
-from .errors import ArgumentError, CodaError, ProgramError, UnsupportedError  # noqa: E402
-from .frontend import (  # noqa: E402
+from .errors import ArgumentError, CodaError, ProgramError, UnsupportedError
+from .frontend import (
     ColVec, Expr, Reduction, RowVec, Scalar, Table, Tile, bf16, clamp, col_logsumexp, col_max,
     col_maxabs, col_sum, col_sumsq, epilogue, exp, f16, f32, gelu, gelu_tanh, input_dtype, interleave, log,
     maximum, minimum, pairs, reduce, relu, row_logsumexp, row_max, row_maxabs, row_sum, row_sumsq,
     rsqrt, sigmoid, silu, sqrt, square, tanh, where,
 )
-from .program import Program  # noqa: E402
-from .reference import evaluate  # noqa: E402
-from .runtime import Kernel, run  # noqa: E402
+from .program import Program
+from .reference import evaluate
+from .runtime import Kernel, run

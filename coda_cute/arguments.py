@@ -1,12 +1,16 @@
-"""Binding runtime arguments to a program: shapes, dtypes and devices, checked once.
+"""What a call may pass: runtime arguments checked against a program, once per signature.
 
-Shared by the reference interpreter and the kernel call path, so both accept and refuse
-the same inputs with the same messages.  The GEMM is always ``acc = A @ B.T``:
+``bind`` (shapes, dtypes, devices, scalars, ``out=``) is shared by the reference interpreter and
+both call paths; ``check_kernel_arguments`` adds the generated kernel's layout rules (16-bit
+A/B, 16-byte aligned rows for TMA).  ``Kernel`` applies both on CUDA tensors, and on CPU
+tensors too unless asked not to (``Kernel(program, strict=False)``), so prototyping on a CPU
+refuses what the GPU would.  The GEMM is always ``acc = A @ B.T``:
 
 - ``a``: (..., K); leading dims are batch dims, flattened into M rows;
 - ``b``: (N, K), as PyTorch stores a Linear weight (pass ``w.t()`` for ``x @ w``);
 - operands by name: RowVec (M,) or (...,), ColVec (width*N,), Tile (M, width*N) or
-  (..., width*N), Table (R, P), Scalar a Python number.
+  (..., width*N), Table (R, P), Scalar a Python number;
+- ``out``: optional caller tensors for tile outputs, (M, cols) or (..., cols), written in place.
 """
 
 from __future__ import annotations
@@ -14,14 +18,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+import math
+
 import torch
 
 from .errors import ArgumentError
-from .program import Program, width_str
+from .program import Program, index_operands, width_str
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_SHORT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+#: integer dtypes a row or column vector may have (class indices compared with `.col`)
+INDEX_DTYPES = (torch.int32,)
+_SHORT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.int32: "i32"}
 TORCH_DTYPES = {v: k for k, v in _SHORT.items()}
+#: the largest n with every integer 0..n exact in each float dtype (its significand's reach)
+_EXACT_INTEGERS = {torch.float32: 2**24, torch.bfloat16: 2**8, torch.float16: 2**11}
+_F32_MAX = 3.4028234663852886e38
 
 
 def short_dtype(dtype: torch.dtype) -> str:
@@ -61,6 +72,8 @@ class Problem:
 
 def bind(program: Program, a: torch.Tensor, b: torch.Tensor, operands: dict | None = None) -> Problem:
     """Check ``a``, ``b`` and the named operands against ``program``; flatten batch dims."""
+    if operands is not None and not isinstance(operands, dict):
+        raise ArgumentError(f"operands must be a dict {{name: value}}, got {type(operands).__name__}")
     operands = dict(operands or {})
     if not isinstance(a, torch.Tensor) or a.dim() < 2:
         raise ArgumentError(f"A must be a tensor of shape (..., K), got {_shape_of(a)}")
@@ -79,10 +92,10 @@ def bind(program: Program, a: torch.Tensor, b: torch.Tensor, operands: dict | No
     if a.device != b.device:
         raise ArgumentError(f"A is on {a.device} but B is on {b.device}")
     batch_shape = tuple(a.shape[:-1])
-    a2 = a.reshape(-1, a.shape[-1])
-    m, n = a2.shape[0], b.shape[0]
-    if m == 0 or n == 0 or a.shape[-1] == 0:
+    m, n = math.prod(batch_shape), b.shape[0]
+    if m == 0 or n == 0 or a.shape[-1] == 0:  # before any reshape, which cannot infer -1 at K = 0
         raise ArgumentError(f"empty problem: M={m}, N={n}, K={a.shape[-1]}")
+    a2 = a.reshape(m, a.shape[-1])
 
     declared = {op.name for op in program.operands}
     unknown = sorted(set(operands) - declared)
@@ -90,26 +103,41 @@ def bind(program: Program, a: torch.Tensor, b: torch.Tensor, operands: dict | No
         raise ArgumentError(
             f"unknown operand(s) {unknown} for program {program.name!r}; its operands are {sorted(declared) or 'none'}"
         )
-    bound = {}
+    bound, indices = {}, index_operands(program)
     for op in program.operands:
         if op.name not in operands:
             raise ArgumentError(f"program {program.name!r} needs operand {op.name!r} ({op.describe()})")
-        bound[op.name] = _bind_operand(op, operands[op.name], batch_shape, m, n, a.device)
+        bound[op.name] = _bind_operand(op, operands[op.name], batch_shape, m, n, a.device, op.name in indices)
 
     problem = Problem(program, a2, b, bound, batch_shape)
     _check_widths(problem)
+    _check_indices(problem)
     return problem
 
 
-def _bind_operand(op, value, batch_shape, m, n, device):
+def _bind_scalar(op, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentError(f"operand {op.name!r} is a Scalar: expected a Python float, got {type(value).__name__}")
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ArgumentError(f"operand {op.name!r} is a Scalar read as float32; {value} does not fit") from None
+    if math.isnan(value):
+        raise ArgumentError(f"operand {op.name!r} is NaN; a Scalar must be a number (infinities are allowed)")
+    if math.isfinite(value) and abs(value) > _F32_MAX:
+        raise ArgumentError(f"operand {op.name!r} is a Scalar read as float32; {value!r} does not fit (pass "
+                            "float('inf') for an infinity)")
+    return value
+
+
+def _bind_operand(op, value, batch_shape, m, n, device, indices: bool):
     if op.kind == "scalar":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ArgumentError(f"operand {op.name!r} is a Scalar: expected a Python float, got {type(value).__name__}")
-        return float(value)
+        return _bind_scalar(op, value)
     if not isinstance(value, torch.Tensor):
         raise ArgumentError(f"operand {op.name!r} ({op.describe()}) must be a tensor, got {type(value).__name__}")
-    if value.dtype not in FLOAT_DTYPES:
-        raise ArgumentError(f"operand {op.name!r} has dtype {value.dtype}; expected bfloat16, float16 or float32")
+    if value.dtype not in FLOAT_DTYPES and not (value.dtype in INDEX_DTYPES and indices):
+        also = " (int32 for vectors the program compares with .row or .col)" if value.dtype in INDEX_DTYPES else ""
+        raise ArgumentError(f"operand {op.name!r} has dtype {value.dtype}; expected bfloat16, float16 or float32{also}")
     if value.device != device:
         raise ArgumentError(f"operand {op.name!r} is on {value.device} but A is on {device}")
     cols = None if op.width is None else n * op.width
@@ -156,5 +184,117 @@ def _check_widths(problem: Problem) -> None:
             )
 
 
+def _check_indices(problem: Problem) -> None:
+    """A row or column vector compared with ``.row`` / ``.col`` (class indices) must hold every
+    index exactly: int32, or a float dtype whose significand reaches the largest index."""
+    for name, axes in index_operands(problem.program).items():
+        tensor = problem.operands[name]
+        exact = _EXACT_INTEGERS.get(tensor.dtype)
+        for axis, width in axes:
+            count = problem.m if axis == "row" else problem.cols(width)
+            if exact is not None and count - 1 > exact:
+                what = "M" if axis == "row" else "the columns"
+                raise ArgumentError(
+                    f"operand {name!r} ({tensor.dtype}) is compared with {axis} indices up to {count - 1}, but "
+                    f"{tensor.dtype} holds integers exactly only up to {exact}; pass it as int32 (or float32 while "
+                    f"{what} stay within {_EXACT_INTEGERS[torch.float32]})"
+                )
+
+
 def _shape_of(x) -> str:
     return f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def check_outputs(problem: Problem, given) -> None:
+    """Caller-given ``out=`` tensors: known tile outputs, each of its output's dtype, shape
+    ((M, cols) or A's leading dims + (cols,)) and device, and writable in place as one (M, cols)
+    matrix (a view that would need a copy is refused: the kernel would write the copy)."""
+    if given is None:
+        return
+    if not isinstance(given, dict):
+        raise ArgumentError(f"out must be a dict {{output name: tensor}}, got {type(given).__name__}")
+    program = problem.program
+    names = [o.name for o in program.outputs]
+    unknown = [name for name in given if name not in names]
+    if unknown:
+        raise ArgumentError(f"out= names unknown output(s) {unknown}; outputs are {names}")
+    for o in program.reductions:
+        if o.name in given:
+            raise ArgumentError(f"out[{o.name!r}]: reductions are returned, not written into caller tensors")
+    for o in program.tile_outputs:
+        if o.name not in given:
+            continue
+        t, m, cols, dtype = given[o.name], problem.m, problem.cols(o.node.width), problem.storage_dtype(o.dtype)
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentError(f"out[{o.name!r}] must be a tensor, got {type(t).__name__}")
+        shapes = [(m, cols)] + ([problem.batch_shape + (cols,)] if len(problem.batch_shape) != 1 else [])
+        if t.dtype != dtype or tuple(t.shape) not in shapes:
+            raise ArgumentError(f"out[{o.name!r}] must be {' or '.join(map(str, shapes))} {dtype}, "
+                                f"got {tuple(t.shape)} {t.dtype}")
+        if t.device != problem.a.device:
+            raise ArgumentError(f"out[{o.name!r}] is on {t.device} but A is on {problem.a.device}")
+        if t.requires_grad:
+            raise ArgumentError(f"out[{o.name!r}] requires grad: outputs written in place are not tracked by autograd")
+        try:
+            t.view(m, cols)
+        except RuntimeError:
+            raise ArgumentError(f"out[{o.name!r}] {tuple(t.shape)} with strides {t.stride()} cannot be written in place "
+                                f"as ({m}, {cols}): its leading dimensions do not flatten into one; pass a tensor "
+                                "whose rows are evenly spaced") from None
+
+
+def _row_stride_ok(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def check_kernel_arguments(problem: Problem, given: dict | None = None) -> None:
+    """Reject, with the operand named, any tensor the generated kernel cannot read or write:
+    16-bit A and B with 16-byte aligned rows (so N and K multiples of 8 for contiguous tensors),
+    unit-stride vectors and table rows, TMA-ready tile operands, tile outputs whose rows are a
+    multiple of 16 bytes, and ``out=`` tensors TMA can store into."""
+    a, b = problem.a, problem.b
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        raise ArgumentError(f"A and B are {a.dtype}; the GPU kernels take bfloat16 or float16 inputs")
+    for label, t, dims in (("A", a, "(M, K)"), ("B", b, "(N, K)")):
+        unit = [d for d in (0, 1) if t.stride(d) == 1]
+        if not unit:
+            raise ArgumentError(f"{label} {dims} has strides {t.stride()}: one dimension must be contiguous")
+        other = 1 - unit[-1]
+        if (t.stride(other) * t.element_size()) % 16:
+            raise ArgumentError(
+                f"{label} {dims} = {tuple(t.shape)} with strides {t.stride()}: rows must start 16-byte aligned "
+                f"(for a contiguous {label}, {'K' if unit[-1] == 1 else dims[1]} must be a multiple of 8)"
+            )
+        if not _aligned(t):
+            raise ArgumentError(f"{label}'s data pointer is not 16-byte aligned (offset view?)")
+    if problem.k % 8:
+        raise ArgumentError(f"K={problem.k} must be a multiple of 8 (16-byte rows for TMA)")
+    for op in problem.program.operands:
+        t = problem.operands[op.name]
+        if op.kind == "tile" and (not _row_stride_ok(t) or not _aligned(t)):
+            raise ArgumentError(
+                f"operand {op.name!r} (a Tile, {tuple(t.shape)}, strides {t.stride()}) must have unit column "
+                "stride, 16-byte aligned rows and a 16-byte aligned data pointer"
+            )
+        if op.kind in ("row", "col") and t.stride(0) != 1 and t.shape[0] > 1:
+            raise ArgumentError(f"operand {op.name!r} (a {'RowVec' if op.kind == 'row' else 'ColVec'}, strides "
+                                f"{t.stride()}) must be contiguous")
+        if op.kind == "table" and t.stride(1) != 1 and t.shape[1] > 1:
+            raise ArgumentError(f"operand {op.name!r} (a Table, strides {t.stride()}) must have unit column stride")
+    for o in problem.program.tile_outputs:
+        cols = problem.cols(o.node.width)
+        dtype = problem.storage_dtype(o.dtype)
+        if (cols * torch.tensor([], dtype=dtype).element_size()) % 16:
+            raise ArgumentError(
+                f"output {o.name!r} is {width_str(o.node.width)} = {cols} columns of {dtype}: rows must be a "
+                f"multiple of 16 bytes for TMA stores (N={problem.n})"
+            )
+        if given and o.name in given:
+            t = given[o.name].view(problem.m, cols)
+            if not _row_stride_ok(t) or not _aligned(t):
+                raise ArgumentError(f"out[{o.name!r}] (strides {given[o.name].stride()}) must have unit column stride, "
+                                    "16-byte aligned rows and a 16-byte aligned data pointer")

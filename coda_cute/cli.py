@@ -350,6 +350,11 @@ def cmd_inspect(args) -> int:
     source = emit(program, config)
     wanted = [w for w in ("source", "ptx", "sass", "regs") if getattr(args, w)] or ["regs"]
     keep = tuple(w for w in ("ptx", "sass") if w in wanted)
+    if args.dump_dir:
+        try:
+            Path(args.dump_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UnsupportedError(f"--dump-dir {args.dump_dir}: cannot create it ({exc.strerror or exc})") from None
     with tempfile.TemporaryDirectory(prefix="coda_cute_inspect_") as tmp:
         dump = Path(args.dump_dir) if args.dump_dir else Path(tmp) / "dump"
         kept = keep or (("ptx",) if args.dump_dir else ())  # --dump-dir alone still keeps PTX + cubin there

@@ -27,11 +27,11 @@ from fractions import Fraction
 
 from .config import SMEM_BYTES, KernelConfig
 from .errors import UnsupportedError
-from .program import Node, Program, width_str
+from .program import Node, Program, reads_as_index, width_str
 
 HALF, ONE, TWO = Fraction(1, 2), Fraction(1), Fraction(2)
-CUTE_DTYPES = {"bf16": "BFloat16", "f16": "Float16", "f32": "Float32"}
-DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4}
+CUTE_DTYPES = {"bf16": "BFloat16", "f16": "Float16", "f32": "Float32", "i32": "Int32"}
+DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
 EPI_N_CHOICES = (32, 16)  # accumulator columns per epilogue subtile, preferred first
 AB_STAGES_WANTED = 4  # mainloop stages that keep the tensor cores fed (fewer starve them)
 # ... except in cooperative 128x256 kernels with tile inputs: 3 stages of 128x256 keep our GEMM as
@@ -341,9 +341,11 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
             base = "row0" if is_row else {HALF: "col0 // 2", ONE: "col0", TWO: "2 * col0"}[op.width]
             length = "M" if is_row else {HALF: "N // 2", ONE: "N", TWO: "2 * N"}[op.width]
             threads = _tile_threads(config)
+            index = dtype == "i32"  # class indices stay integers in smem (compared exactly)
             ctx.vectors.append(dict(
                 name=op.name, gmem=name, smem=f"smem_in_{op.name}", view=f"view_in_{op.name}", is_row=is_row,
                 width=op.width, elems=elems, base=base, length=length, loads_per_thread=-(-elems // threads),
+                cute_dtype="cutlass.Int32" if index else "cutlass.Float32", zero="0" if index else "0.0",
             ))
     ctx.epi_load_bytes = sum(tile_m * t["cols"] * DTYPE_BYTES[t["dtype"]] for t in ctx.tile_inputs)
     if ctx.col_reductions:
@@ -579,6 +581,9 @@ class _Body:
         if node.op == "const" or (node.op in ("acc", "pair", "interleave") and not node.hint and not read_once):
             self.lanes[id(node)] = lanes  # literals and lane renames need no code
             return
+        if node.op == "load" and self._read_as_index_only(node):
+            self.lanes[id(node)] = lanes  # its comparisons read the int32 values themselves
+            return
         base = node.hint or ("acc" if node.op == "acc" else node.attrs[0] if node.op == "load"
                              else f"{node.op.rstrip('_')}{len(self.taken)}")
         names = [self.name(base if count == 1 else f"{base}_{k}") for k in range(count)]
@@ -611,6 +616,12 @@ class _Body:
         if op.kind != "tile" or not _uses_words(op.width, dtype):
             return None
         return f"unpack_quad(view_in_{op.name}[pair0], cutlass.{CUTE_DTYPES[dtype]})"
+
+    def _read_as_index_only(self, node: Node) -> bool:
+        """Whether every read of this operand value is an integer comparison (`acc.col == target`)."""
+        readers = [other for other in self.program.nodes if node in other.args]
+        return (bool(readers) and all(self._index_operand(other, node) for other in readers)
+                and not any(out.node is node for out in self.program.outputs))
 
     def _reads(self, node: Node) -> int:
         """How many times the body reads ``node``'s lanes: as an argument, or as a stored output."""
@@ -699,21 +710,27 @@ class _Body:
         code = ELEMENTWISE_CODE[node.op]
         if node.op in ("sigmoid", "silu"):
             self.ctx.helpers.add("sigmoid")
-        numbers = [a for a in node.args if a.dtype != "bool"]
-        floating = node.dtype == "f32" or node.op == "div" or any(a.dtype == "f32" for a in numbers)
+        # an int32 operand compared with a coordinate is read as an integer (program.reads_as_index)
+        dtypes = ["i32" if self._index_operand(node, a) else a.dtype for a in node.args]
+        args = [self.load(a, as_index=True) if self._index_operand(node, a) else lanes for a, lanes in zip(node.args, args)]
+        floating = node.dtype == "f32" or node.op == "div" or "f32" in dtypes
         kind = "cutlass.Int32" if node.dtype == "i32" else "cutlass.Float32"
         out = []
         for k in range(NUM_LANES[node.width]):
             lane_args = []
-            for arg_node, lanes in zip(node.args, args):
+            for dtype, lanes in zip(dtypes, args):
                 value = lanes[k] if len(lanes) > 1 else lanes[0]
-                if floating and arg_node.dtype == "i32":
+                if floating and dtype == "i32":
                     value = f"cutlass.Float32({value})"  # CuTe math needs one numeric type
                 lane_args.append(value)
             out.append(code.format(*lane_args, t=kind))
         return out
 
-    def load(self, node: Node) -> list[str]:
+    def _index_operand(self, node: Node, arg: Node) -> bool:
+        """Whether ``node`` reads ``arg``, the value of an int32 operand, as an integer index."""
+        return reads_as_index(node, arg) and operand_dtype(self.config, arg.attrs[0]) == "i32"
+
+    def load(self, node: Node, as_index: bool = False) -> list[str]:
         op = self.program.operand(node.attrs[0])
         name = f"in_{op.name}"
         if op.kind == "scalar":
@@ -728,9 +745,10 @@ class _Body:
                 self.ctx.tables.append(table)
             return [f"{table['frag']}[({_table_slot(len(cols), k)}, subtile % 2)]" for k in range(len(cols))]
         view = f"view_in_{op.name}"
-        wrap = "cutlass.Float32({})" if op.kind in ("tile", "table") else "{}"  # tables staged in smem
+        index = operand_dtype(self.config, op.name) == "i32"  # an int32 vector's values, as fp32 unless as_index
+        wrap = "cutlass.Float32({})" if op.kind in ("tile", "table") or (index and not as_index) else "{}"
         if op.kind == "row":
-            return [f"{view}[pair0]"]
+            return [wrap.format(f"{view}[pair0]")]
         if op.width == HALF:
             return [wrap.format(f"{view}[pair0]")]
         if op.kind in ("tile", "table") and _uses_fragments(op.width, operand_dtype(self.config, op.name)):

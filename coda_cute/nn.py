@@ -143,13 +143,28 @@ def _rstd(h2: torch.Tensor, sumsq, eps: float) -> torch.Tensor:
     return torch.rsqrt(sumsq.reshape(-1) / h2.shape[-1] + eps)
 
 
-def _check_tokens(h: torch.Tensor, who: str) -> None:
-    tokens = h.numel() // h.shape[-1]
-    if h.is_cuda and tokens % 8:
+def _check_input(who: str, h, sumsq, weight: torch.Tensor, dims: int | None = None) -> None:
+    """The module's input ``h`` (..., d) and the statistics ``sumsq`` (None, or h's leading shape),
+    checked against its weights (``weight``: one parameter, whose dtype and device h must share)."""
+    d = weight.shape[-1]
+    if not isinstance(h, torch.Tensor) or h.dim() < 2 or (dims and h.dim() != dims):
+        shape = "(batch, seq, d)" if dims == 3 else "(..., d)"
+        got = tuple(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__
+        raise ArgumentError(f"{who}: h must be a tensor of shape {shape} with d = {d}, got {got}")
+    if h.shape[-1] != d or h.dtype != weight.dtype or h.device != weight.device:
+        raise ArgumentError(f"{who}: h must be (..., {d}) {weight.dtype} on {weight.device} like the module's weights, "
+                            f"got {tuple(h.shape)} {h.dtype} on {h.device}")
+    tokens = h.numel() // d
+    if tokens == 0 or (h.is_cuda and tokens % 8):
         raise ArgumentError(
-            f"{who} on the GPU needs the number of tokens (all dims of h but the last) to be a multiple "
-            f"of 8, got {tokens}: the weight-gradient GEMMs reduce over tokens and TMA needs 16-byte rows"
+            f"{who}: h has {tokens} tokens (all dims but the last); on the GPU their number must be a positive "
+            "multiple of 8: the weight-gradient GEMMs reduce over tokens and TMA needs 16-byte rows"
         )
+    if sumsq is not None and (not isinstance(sumsq, torch.Tensor) or tuple(sumsq.shape) != tuple(h.shape[:-1])
+                              or sumsq.dtype != torch.float32 or sumsq.device != h.device):
+        got = f"{tuple(sumsq.shape)} {sumsq.dtype}" if isinstance(sumsq, torch.Tensor) else type(sumsq).__name__
+        raise ArgumentError(f"{who}: sumsq must be None or a float32 tensor of h's leading shape "
+                            f"{tuple(h.shape[:-1])} (each row's sum of squares), got {got}")
 
 
 class LlamaMLP(nn.Module):
@@ -170,7 +185,7 @@ class LlamaMLP(nn.Module):
         nn.init.normal_(self.w_down, std=ffn ** -0.5)
 
     def forward(self, h: torch.Tensor, sumsq: torch.Tensor | None = None):
-        _check_tokens(h, "LlamaMLP")
+        _check_input("LlamaMLP", h, sumsq, self.w_down.t())
         return _LlamaMLPFunction.apply(h, sumsq, self.gamma, self.w_gate_up, self.w_down, self.eps)
 
     @torch.no_grad()
@@ -295,8 +310,11 @@ class LlamaAttention(nn.Module):
         _rope_op((self.n_heads + self.n_kv_heads) * self.head_dim)  # registered now, looked up in forward
 
     def forward(self, h: torch.Tensor, sumsq: torch.Tensor | None = None):
+        _check_input("LlamaAttention", h, sumsq, self.w_qkv, dims=3)
         batch, seq, _ = h.shape
-        _check_tokens(h, "LlamaAttention")
+        if seq > self.cos.shape[0]:
+            raise ArgumentError(f"LlamaAttention: a sequence of {seq} positions is longer than max_positions = "
+                                f"{self.cos.shape[0]} (the RoPE tables' length)")
         hd, nq, nkv = self.head_dim, self.n_heads, self.n_kv_heads
         rotary_cols = (nq + nkv) * hd
         qkv, residual = _NormQKVRope.apply(h, sumsq, self.gamma, self.w_qkv, self.cos[:seq], self.sin[:seq],
@@ -359,14 +377,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         valid = t != ignore_index
         torch._assert_async(((t >= 0) & (t < weight.shape[0]) | ~valid).all(),
                             "linear_cross_entropy: a target is outside [0, vocab) and not ignore_index")
-        t_float = torch.where(valid, t, -1).float()  # class index as the programs read it; -1 matches no column
+        # int32 class indices, compared with the column index exactly at any vocabulary; -1 matches no column
+        t_index = torch.where(valid, t, -1).to(torch.int32)
         if save_logits:
-            logits, lse, target_logit = _OPS["cross_entropy_stats_save"](h2, weight, t_float)
+            logits, lse, target_logit = _OPS["cross_entropy_stats_save"](h2, weight, t_index)
         else:
-            (lse, target_logit), logits = _OPS["cross_entropy_stats"](h2, weight, t_float), None
+            (lse, target_logit), logits = _OPS["cross_entropy_stats"](h2, weight, t_index), None
         per_row = torch.where(valid, lse - target_logit, 0.0)
         count = valid.sum()
-        ctx.save_for_backward(h2, weight, t_float, lse, valid, count, logits)
+        ctx.save_for_backward(h2, weight, t_index, lse, valid, count, logits)
         ctx.reduction, ctx.shape = reduction, (h.shape, target.shape)
         if reduction == "none":
             return per_row.reshape(target.shape)
@@ -374,17 +393,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss):
-        h2, weight, t_float, lse, valid, count, logits = ctx.saved_tensors
+        h2, weight, t_index, lse, valid, count, logits = ctx.saved_tensors
         if ctx.reduction == "none":
             per_row = dloss.reshape(-1).float()
         else:
             per_row = dloss.float().expand(valid.shape) / (count.clamp_min(1) if ctx.reduction == "mean" else 1)
         per_row = torch.where(valid, per_row, 0.0)
         if logits is None:  # the logits GEMM again, d logits in its epilogue
-            dlogits = _OPS["cross_entropy_bwd"](h2, weight, lse, t_float, per_row)  # (tokens, vocab), input dtype
+            dlogits = _OPS["cross_entropy_bwd"](h2, weight, lse, t_index, per_row)  # (tokens, vocab), input dtype
         else:
             # in place: the logits' memory (tokens x vocab) becomes their gradient's
-            dlogits = _cross_entropy_grad_pass(logits)(logits, lse, t_float, per_row, out=logits)
+            dlogits = _cross_entropy_grad_pass(logits)(logits, lse, t_index, per_row, out=logits)
         dh = dlogits @ weight  # plain GEMMs: cuBLAS (module docstring)
         dw = dlogits.t() @ h2
         return dh.reshape(ctx.shape[0]), dw, None, None, None, None
@@ -394,10 +413,11 @@ def cross_entropy_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Te
                        *, out: torch.Tensor | None = None) -> torch.Tensor:
     """d logits of cross-entropy from stored logits, the math of the `cross_entropy_bwd` epilogue:
     (exp(logits - lse) - onehot(target)) * dloss per row, in the logits' dtype.  ``target`` is the
-    class index as a float (-1: none), ``lse`` and ``dloss`` are fp32 per row.  ``out=logits``
-    writes the gradient over the logits (torch.compile keeps that one pass, in place)."""
+    class index (int32, -1: none; a float target is compared as a float), ``lse`` and ``dloss`` are
+    fp32 per row.  ``out=logits`` writes the gradient over the logits (torch.compile keeps that one
+    pass, in place)."""
     prob = torch.exp(logits.float() - lse[:, None])
-    cols = torch.arange(logits.shape[1], device=logits.device, dtype=torch.float32)
+    cols = torch.arange(logits.shape[1], device=logits.device, dtype=target.dtype)
     grad = torch.where(cols == target[:, None], prob - 1.0, prob) * dloss[:, None]
     return grad.to(logits.dtype) if out is None else out.copy_(grad)
 
@@ -441,18 +461,34 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
     vocabulary and d must be multiples of 8 (TMA rows of 16 bytes).
     """
     if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        raise ArgumentError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if not isinstance(save_logits, bool):
         raise ArgumentError(f"save_logits must be True or False, got {save_logits!r}")
-    if target.shape != h.shape[:-1] or target.dtype.is_floating_point or target.dtype == torch.bool:
+    if type(ignore_index) is not int:
+        raise ArgumentError(f"ignore_index must be an int, got {ignore_index!r}")
+    for name, value in (("h", h), ("weight", weight), ("target", target)):
+        if not isinstance(value, torch.Tensor):
+            raise ArgumentError(f"{name} must be a tensor, got {type(value).__name__}")
+    if h.dim() < 2 or h.numel() == 0:
+        raise ArgumentError(f"h must be a non-empty tensor of shape (..., d), got {tuple(h.shape)}")
+    if h.dtype != weight.dtype or h.device != weight.device or not h.dtype.is_floating_point:
+        raise ArgumentError(f"h and weight must share a float dtype and a device, got {h.dtype} on {h.device} "
+                            f"and {weight.dtype} on {weight.device}")
+    if (target.shape != h.shape[:-1] or target.dtype.is_floating_point or target.dtype == torch.bool
+            or target.device != h.device):
         raise ArgumentError(f"target must be integer class indices of shape {tuple(h.shape[:-1])} (h's leading "
-                            f"dims), got {target.dtype} {tuple(target.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != h.shape[-1]:
+                            f"dims) on {h.device}, got {target.dtype} {tuple(target.shape)} on {target.device}")
+    if weight.dim() != 2 or weight.shape[1] != h.shape[-1] or weight.shape[0] == 0:
         raise ArgumentError(f"weight must be (vocab, {h.shape[-1]}) for h of width {h.shape[-1]}, "
                             f"got {tuple(weight.shape)}")
     if h.is_cuda and weight.shape[0] % 8:  # d logits (or the saved logits) rows are stored with TMA
         raise ArgumentError(f"linear_cross_entropy on the GPU needs a vocabulary that is a multiple of 8, got "
                             f"{weight.shape[0]} (pad the head with rows whose targets never occur)")
+    if not target.is_cuda and not torch.compiler.is_compiling():  # on the GPU: an assert in the forward
+        wrong = ((target < 0) | (target >= weight.shape[0])) & (target != ignore_index)
+        if wrong.any():
+            raise ArgumentError(f"target holds {target[wrong][0].item()}, outside [0, {weight.shape[0]}) and not "
+                                f"ignore_index ({ignore_index})")
     return _LinearCrossEntropy.apply(h, weight, target, ignore_index, reduction, save_logits)
 
 

@@ -7,6 +7,8 @@ Each op takes A, B and the program's operands in declaration order (tensors, or 
 scalars) and returns the outputs in declaration order (tile outputs in their dtype,
 reductions finished in fp32).  The fake (meta) implementation gives shapes and dtypes
 without running anything, so ``torch.compile(fullgraph=True)`` traces through calls.
+On CPU tensors an op runs the reference interpreter with the kernel's layout rules relaxed
+(``Kernel(program, strict=False)``), so modules built on these ops train in fp32 on a CPU.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def library_op(program: Program):
 
 
 def _register(program: Program, name: str):
-    kernel = Kernel(program)
+    kernel = Kernel(program, strict=False)  # on CPU tensors, any layout the reference can run (fp32 modules)
     names = [op.name for op in program.operands]
     outputs = program.outputs
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .arguments import Problem, bind
-from .program import Node, Program
+from .program import COMPARISONS, Node, Program, reads_as_index
 
 _IDENTITY = {"sum": 0.0, "sumsq": 0.0, "max": -math.inf, "maxabs": 0.0}
 
@@ -91,7 +91,12 @@ def _full_precision_matmul():
 def evaluate(program: Program, a: torch.Tensor, b: torch.Tensor, operands: dict | None = None,
              *, tile: tuple[int, int] = (128, 128)) -> ReferenceResult:
     """Run ``program`` on ``acc = a @ b.T``; ``tile`` only shapes the reduction partials."""
-    problem = bind(program, a, b, operands)
+    return evaluate_problem(bind(program, a, b, operands), tile=tile)
+
+
+def evaluate_problem(problem: Problem, *, tile: tuple[int, int] = (128, 128)) -> ReferenceResult:
+    """``evaluate`` of arguments already bound (``arguments.bind``)."""
+    program, a, b = problem.program, problem.a, problem.b
     with _full_precision_matmul():
         acc = problem.a.float() @ problem.b.float().t()
     values = _Evaluator(problem, acc).run()
@@ -157,15 +162,19 @@ class _Evaluator:
             rows, cols = x.shape
             per_segment = _reduce_dim(x.reshape(rows, cols // seg, seg), kind, 2)
             return per_segment.repeat_interleave(seg, dim=1)
+        if op in COMPARISONS:  # an int32 operand compared with a coordinate: as integers, exactly
+            args = [self.load(arg, as_index=True) if reads_as_index(node, arg) else value
+                    for arg, value in zip(node.args, args)]
         return ELEMENTWISE_RULES[op](*args)
 
-    def load(self, node: Node) -> torch.Tensor:
+    def load(self, node: Node, as_index: bool = False) -> torch.Tensor:
         name = node.attrs[0]
         op, value = self.p.program.operand(name), self.p.operands[name]
         dev = self.acc.device
         if op.kind == "scalar":
             return torch.tensor(value, dtype=torch.float32, device=dev)
-        value = value.float()
+        if not (as_index and not value.dtype.is_floating_point):
+            value = value.float()  # operand values are fp32, as in the kernel
         if op.kind == "row":
             return value[:, None]
         if op.kind == "col":

@@ -3,13 +3,18 @@
     kernel = coda_cute.Kernel(program)            # or coda_cute.run(program, a, w, ...)
     out = kernel(a, w, residual=r)                # CUDA tensors: the generated kernel
 
-CUDA tensors run the generated kernel for the GPU they live on; every argument is checked
-first (``check_kernel_arguments``) and a tensor the kernel cannot take is rejected with
-an ArgumentError, never silently computed another way.  CPU tensors run the reference
-interpreter (the documented CPU fallback).  Outputs are allocated unless passed in
-``out={name: tensor}`` (views into larger buffers are fine: only the row stride must be
-16-byte aligned).  Reductions come back finished; ``return_partials=True`` adds the
-per-tile partials.
+CUDA tensors run the generated kernel for the GPU they live on; CPU tensors run the reference
+interpreter (the documented CPU fallback).  Both paths check a call the same way, once per
+signature (``Kernel.plan``): the arguments against the program (``arguments.bind``,
+``check_outputs``), then the kernel's layout rules (``check_kernel_arguments``) and everything
+lowering would refuse.  So a call that works on the CPU works on the GPU, and a tensor the
+kernel cannot take is rejected with an ArgumentError, never silently computed another way.
+``Kernel(program, strict=False)`` relaxes the kernel's rules on CPU tensors for prototyping
+(fp32 A and B, any N and K, unaligned views): then only the reference's own checks apply.
+
+Outputs are allocated unless passed in ``out={name: tensor}``: written in place and returned
+as given (views into larger buffers are fine: only the row stride must be 16-byte aligned).
+Reductions come back finished; ``return_partials=True`` adds the per-tile partials.
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from . import reference
-from .arguments import Problem, bind, short_dtype
+from .arguments import Problem, _aligned, _bind_scalar, _row_stride_ok, bind, check_kernel_arguments, check_outputs
+from .arguments import short_dtype
 from .config import DEFAULT_SWIZZLE, GPUS, KernelConfig
-from .errors import ArgumentError, UnsupportedError
-from .lower import fits_shared_memory, tables_in_segment_reductions
-from .program import Program, width_str
+from .errors import ArgumentError, ProgramError, UnsupportedError
+from .lower import fits_shared_memory, lower, tables_in_segment_reductions
+from .program import Program
 
 _GPU_NAMES = {"H200": "H200", "H100 PCIe": "H100-PCIe", "H100": "H100", "H800": "H800", "H20": "H20"}
 
@@ -34,18 +40,28 @@ class Launch:
     """What the last call ran (tests use it to prove the generated kernel ran)."""
 
     path: str  # "kernel" or "reference"
-    config: KernelConfig | None
-    key: str | None
+    config: KernelConfig | None  # the kernel checked for (None on CPU with strict=False)
+    key: str | None  # the cache key of the kernel that ran (None on the reference path)
 
 
 class Kernel:
-    """``program`` compiled for a family of configurations, callable on torch tensors."""
+    """``program`` compiled for a family of configurations, callable on torch tensors.
+
+    ``strict`` (default True): CPU tensors are held to the GPU kernel's rules (see the module
+    docstring); False lets the reference run whatever it can, for prototyping."""
 
     def __init__(self, program: Program, *, tile: tuple[int, int] | None = None,
                  cluster: tuple[int, int] | None = None, schedule: str | None = None, gpu: str | None = None,
                  ab_stages: int = 0, epi_stages: int = 0, in_stages: int = 0,
-                 raster_along_m: bool = True, swizzle: int = DEFAULT_SWIZZLE, stage_tables: bool | None = None):
-        self.program = program
+                 raster_along_m: bool = True, swizzle: int = DEFAULT_SWIZZLE, stage_tables: bool | None = None,
+                 strict: bool = True):
+        if not isinstance(program, Program):
+            raise ProgramError(f"Kernel needs a coda_cute Program (@coda_cute.epilogue), got {type(program).__name__}")
+        if stage_tables not in (None, True, False) or type(strict) is not bool:
+            raise UnsupportedError(f"stage_tables must be None, True or False and strict True or False, got "
+                                   f"{stage_tables!r} and {strict!r}")
+        _check_settings(tile, cluster, schedule, gpu, ab_stages, epi_stages, in_stages, raster_along_m, swizzle)
+        self.program, self.strict = program, strict
         self.tile, self.cluster, self.schedule, self.gpu = tile, cluster, schedule, gpu
         # mainloop stages and epilogue ring depths; 0: planned from the shared memory (KernelConfig)
         self.ab_stages, self.epi_stages, self.in_stages = ab_stages, epi_stages, in_stages
@@ -74,8 +90,9 @@ class Kernel:
             if reason and self.stage_tables:
                 raise ArgumentError(f"{reason} (or stage_tables=False: gathered)")
             staged = reason is None
+        gpu = self.gpu or (gpu_model(a.device) if a.is_cuda else KernelConfig.gpu)
         config = KernelConfig(
-            gpu=self.gpu or gpu_model(a.device), dtype=short_dtype(a.dtype), majors=majors,
+            gpu=gpu, dtype=short_dtype(a.dtype), majors=majors,
             tile=tuple(tile), cluster=tuple(cluster), schedule=schedule,
             ab_stages=self.ab_stages, epi_stages=self.epi_stages, in_stages=self.in_stages,
             raster_along_m=self.raster_along_m, swizzle=self.swizzle,
@@ -87,38 +104,62 @@ class Kernel:
             config = config.with_(stage_tables=False)
         return config
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: dict | None = None,
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, /, *, out: dict | None = None,
                  return_partials: bool = False, **operands):
-        if a.device.type != "cuda":
-            bind(self.program, a, b, operands)
-            result = reference.evaluate(self.program, a, b, operands, tile=self.tile or (128, 256))
-            self.last = Launch("reference", None, None)
-            return _package(self.program, result.outputs, result.partials if return_partials else None, out)
+        if type(return_partials) is not bool:
+            raise ArgumentError(f"return_partials must be True or False, got {return_partials!r}")
         signature = _signature(a, b, operands, out)
-        plan = self._plans.get(signature)
+        plan, problem = self._plans.get(signature), None
         if plan is None:
-            if torch.cuda.is_current_stream_capturing():
+            if isinstance(a, torch.Tensor) and a.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise ArgumentError(
                     f"first call of {self.program.name!r} with these shapes/dtypes inside a CUDA graph capture: "
                     "call it once before capturing (the kernel is compiled and loaded on the first call)"
                 )
-            plan = self.plan(a, b, operands, out)
+            plan, problem = self.plan(a, b, operands, out)
             self._plans[signature] = plan
-        result = plan.run(a, b, operands, out, return_partials)
-        self.launches += 1
-        self.last = Launch("kernel", plan.config, plan.key)
+        result = plan.run(a, b, operands, out, return_partials, problem)
+        if plan.key is not None:
+            self.launches += 1
+        self.last = Launch("kernel" if plan.key is not None else "reference", plan.config, plan.key)
         return result
 
-    def plan(self, a: torch.Tensor, b: torch.Tensor, operands: dict, out: dict | None) -> "CallPlan":
-        """Check one call completely and remember what every call with the same shapes needs."""
+    def plan(self, a: torch.Tensor, b: torch.Tensor, operands: dict, out: dict | None):
+        """Check one call completely and remember what every call with the same signature needs:
+        (the plan, the bound problem).  The same checks on both paths (module docstring)."""
+        problem = bind(self.program, a, b, operands)
+        check_outputs(problem, out)
+        if not problem.a.is_cuda and not self.strict:
+            return ReferencePlan(self.program, None, None, self.tile or KernelConfig.tile), problem
+        check_kernel_arguments(problem, out)
+        config = self.config_for(problem)
+        if not problem.a.is_cuda:
+            lower(self.program, config)  # everything the compile would refuse (UnsupportedError)
+            return ReferencePlan(self.program, config, None, config.tile), problem
         from .cache import get_kernel
 
-        problem = bind(self.program, a, b, operands)
-        config = self.config_for(problem)
-        check_kernel_arguments(problem, config)
-        check_outputs(problem, out or {})
         entry = get_kernel(self.program, config)
-        return CallPlan.build(self.program, problem, config, entry.function, entry.key)
+        return CallPlan.build(self.program, problem, config, entry.function, entry.key), problem
+
+
+@dataclass
+class ReferencePlan:
+    """A checked call on CPU tensors: the reference interpreter computes it."""
+
+    program: Program
+    config: KernelConfig | None
+    key: None
+    tile: tuple  # the tile whose per-tile partials return_partials gives
+
+    def run(self, a, b, operands: dict, out: dict | None, return_partials: bool, problem: Problem | None = None):
+        problem = problem or bind(self.program, a, b, operands)
+        result = reference.evaluate_problem(problem, tile=self.tile)
+        outputs = dict(result.outputs)
+        for name, tensor in (out or {}).items():  # written in place, returned as given
+            cols = tensor.shape[-1]
+            tensor.view(problem.m, cols).copy_(outputs[name].reshape(problem.m, cols))
+            outputs[name] = tensor
+        return _package(self.program, outputs, result.partials if return_partials else None)
 
 
 @dataclass
@@ -151,17 +192,19 @@ class CallPlan:
         return cls(program, config, function, key, problem.m, problem.k, problem.batch_shape, problem.a.device,
                    outputs, partials, reshape)
 
-    def run(self, a, b, operands: dict, out: dict | None, return_partials: bool):
+    def run(self, a, b, operands: dict, out: dict | None, return_partials: bool, problem: Problem | None = None):
         # the warm path: everything shape-dependent was decided in build(); reshapes only where
         # the caller passed leading batch dimensions
         args = [a if a.dim() == 2 else a.reshape(self.m, self.k), b]
         results = {}
         for name, cols, dtype in self.outputs:
-            if out and name in out:
-                t = out[name] if out[name].dim() == 2 else out[name].reshape(self.m, cols)
+            if out and name in out:  # checked to flatten in place (check_outputs): written, returned as given
+                results[name] = out[name]
+                t = out[name] if out[name].dim() == 2 else out[name].view(self.m, cols)
             else:
-                t = torch.empty(self.m, cols, dtype=dtype, device=self.device)
-            results[name] = t
+                t = results[name] = torch.empty(self.m, cols, dtype=dtype, device=self.device)
+                if len(self.batch_shape) != 1:
+                    results[name] = t.view(*self.batch_shape, cols)
             args.append(t)
         partials, finished = {}, {}
         for name, shape in self.partials:  # the kernel writes the partials and finishes them
@@ -170,9 +213,12 @@ class CallPlan:
             args += [partials[name], finished[name]]
         for op in self.program.operands:
             value = operands[op.name]
-            shape = self.reshape.get(op.name)
-            args.append(value if shape is None or value.shape == shape else value.reshape(shape))
-        if self.device.type != "cuda" or self.device.index == torch.cuda.current_device():
+            if op.kind == "scalar":  # a value, not part of the signature: checked every call
+                args.append(_bind_scalar(op, value))
+                continue
+            shape = self.reshape[op.name]
+            args.append(value if value.shape == shape else value.reshape(shape))
+        if self.device.type != "cuda" or self.device.index == torch.cuda.current_device():  # (CPU: test stand-ins)
             self.function(*args)
         else:
             with torch.cuda.device(self.device):
@@ -180,10 +226,7 @@ class CallPlan:
         for o in self.program.reductions:
             value = finished[o.name]
             results[o.name] = value.reshape(self.batch_shape) if o.axis == "row" and len(self.batch_shape) != 1 else value
-        if len(self.batch_shape) != 1:
-            for name, cols, _ in self.outputs:
-                results[name] = results[name].reshape(*self.batch_shape, cols)
-        return _package(self.program, results, partials if return_partials else None, None)
+        return _package(self.program, results, partials if return_partials else None)
 
 
 def _tensor_signature(t):
@@ -198,15 +241,14 @@ def _tensor_signature(t):
 def _signature(a, b, operands: dict, out: dict | None) -> tuple:
     parts = [_tensor_signature(a), _tensor_signature(b)]
     parts += [(name, _tensor_signature(operands[name])) for name in sorted(operands)]
-    if out:
-        parts += [("out", name, _tensor_signature(out[name])) for name in sorted(out)]
+    if isinstance(out, dict):
+        parts += [("out", name, _tensor_signature(t)) for name, t in out.items()]
+    elif out is not None:
+        parts.append(("out", type(out)))
     return tuple(parts)
 
 
-def _package(program: Program, outputs: dict, partials: dict | None, out: dict | None):
-    if out:  # CPU fallback with caller-provided outputs: copy into them
-        for name, tensor in out.items():
-            tensor.copy_(outputs[name].reshape(tensor.shape))
+def _package(program: Program, outputs: dict, partials: dict | None):
     if partials is not None:
         return outputs, partials
     if len(program.outputs) == 1:
@@ -274,12 +316,14 @@ def _heavy_epilogue(program) -> bool:
 
 
 # ----------------------------------------------------------------------------- checks
-def _row_stride_ok(t: torch.Tensor) -> bool:
-    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
-
-
-def _aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % 16 == 0
+def _check_settings(tile, cluster, schedule, gpu, ab_stages, epi_stages, in_stages, raster_along_m, swizzle) -> None:
+    """Refuse a Kernel setting no call could build, when the Kernel is made (not at its first
+    call, and on the CPU as on the GPU): the fields given are checked as a KernelConfig would."""
+    probe_tile = tile if tile is not None else (128, 128)
+    KernelConfig(tile=probe_tile, cluster=cluster if cluster is not None else (1, 1),
+                 schedule=schedule if schedule is not None else "cooperative",
+                 gpu=gpu if gpu is not None else KernelConfig.gpu, ab_stages=ab_stages, epi_stages=epi_stages,
+                 in_stages=in_stages, raster_along_m=raster_along_m, swizzle=swizzle).check()
 
 
 def stageable_tables(program: Program, problem: Problem, tile_m: int) -> str | None:
@@ -303,70 +347,14 @@ def stageable_tables(program: Program, problem: Problem, tile_m: int) -> str | N
     return None
 
 
-def check_kernel_arguments(problem: Problem, config: KernelConfig) -> None:
-    """Reject, with the operand named, any tensor the sm_90a kernel cannot read or write."""
-    a, b = problem.a, problem.b
-    if a.dtype not in (torch.bfloat16, torch.float16):
-        raise ArgumentError(f"A and B are {a.dtype}; the GPU kernels take bfloat16 or float16 inputs")
-    for label, t, dims in (("A", a, "(M, K)"), ("B", b, "(N, K)")):
-        if t.device.type != "cuda":
-            raise ArgumentError(f"{label} is on {t.device}; the kernel needs CUDA tensors")
-        unit = [d for d in (0, 1) if t.stride(d) == 1]
-        if not unit:
-            raise ArgumentError(f"{label} {dims} has strides {t.stride()}: one dimension must be contiguous")
-        other = 1 - unit[-1]
-        if (t.stride(other) * t.element_size()) % 16:
-            raise ArgumentError(
-                f"{label} {dims} = {tuple(t.shape)} with strides {t.stride()}: rows must start 16-byte aligned "
-                f"(for a contiguous {label}, {'K' if unit[-1] == 1 else dims[1]} must be a multiple of 8)"
-            )
-        if not _aligned(t):
-            raise ArgumentError(f"{label}'s data pointer is not 16-byte aligned (offset view?)")
-    if problem.k % 8:
-        raise ArgumentError(f"K={problem.k} must be a multiple of 8 (16-byte rows for TMA)")
-    for op in problem.program.operands:
-        t = problem.operands[op.name]
-        if op.kind == "tile":
-            if not _row_stride_ok(t) or not _aligned(t):
-                raise ArgumentError(
-                    f"operand {op.name!r} (a Tile, {tuple(t.shape)}, strides {t.stride()}) must have unit column "
-                    "stride, 16-byte aligned rows and a 16-byte aligned data pointer"
-                )
-
-
-def check_outputs(problem: Problem, given: dict) -> None:
-    """Every tile output must be storable with TMA; caller-given ``out=`` tensors must fit."""
-    program = problem.program
-    names = {o.name for o in program.outputs}
-    unknown = sorted(set(given) - names)
-    if unknown:
-        raise ArgumentError(f"out= names unknown output(s) {unknown}; outputs are {sorted(names)}")
-    for o in program.tile_outputs:
-        cols = problem.cols(o.node.width)
-        dtype = problem.storage_dtype(o.dtype)
-        if (cols * torch.tensor([], dtype=dtype).element_size()) % 16:
-            raise ArgumentError(
-                f"output {o.name!r} is {width_str(o.node.width)} = {cols} columns of {dtype}: rows must be a "
-                f"multiple of 16 bytes for TMA stores (N={problem.n})"
-            )
-        if o.name in given:
-            t = given[o.name]
-            if t.shape[-1] != cols or t.numel() != problem.m * cols or t.dtype != dtype:
-                raise ArgumentError(f"out[{o.name!r}] must be ({problem.m}, {cols}) {dtype}, got {tuple(t.shape)} {t.dtype}")
-            t = t.reshape(problem.m, cols) if t.dim() != 2 else t
-            if t.device != problem.a.device or not _row_stride_ok(t) or not _aligned(t):
-                raise ArgumentError(f"out[{o.name!r}] must be on {problem.a.device} with unit column stride and 16-byte aligned rows")
-    for o in program.reductions:
-        if o.name in given:
-            raise ArgumentError(f"out[{o.name!r}]: reductions are returned, not written into caller tensors")
-
-
 _KERNELS: dict = {}
 _LOCK = threading.Lock()
 
 
-def run(program: Program, a: torch.Tensor, b: torch.Tensor, **kwargs):
+def run(program: Program, a: torch.Tensor, b: torch.Tensor, /, **kwargs):
     """Run ``program`` on ``acc = a @ b.T`` with the default configuration."""
+    if not isinstance(program, Program):
+        raise ProgramError(f"run needs a coda_cute Program (@coda_cute.epilogue), got {type(program).__name__}")
     with _LOCK:
         kernel = _KERNELS.get(program.fingerprint)
         if kernel is None:

@@ -6,7 +6,7 @@ import coda_cute as cc
 
 @cc.epilogue
 def cross_entropy_stats(acc, target: cc.RowVec):
-    """Per row: log-sum-exp of the logits and the target's logit (target = class index as a float).
+    """Per row: log-sum-exp of the logits and the target's logit (target: class indices, int32).
 
     loss = lse - target_logit, finished from the partials; the logits never reach memory.
     """

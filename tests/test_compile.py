@@ -376,7 +376,7 @@ def test_raster_is_a_bool():
 @pytest.mark.parametrize("raster_along_m", [True, False])
 @pytest.mark.parametrize("cluster", [(1, 2), (2, 1), (1, 1)])
 @pytest.mark.parametrize("swizzle", [2, 4, 8])
-def test_swizzled_tile_walks_every_tile_once_in_bands(raster_along_m, cluster, swizzle):
+def test_swizzled_tile_walks_every_tile_once_in_bands(raster_along_m, cluster, swizzle, tmp_path):
     """The emitted swizzled_tile, run on Python ints over the scheduler's whole walk: every tile
     exactly once, CTAs of a cluster kept together, and bands of `swizzle` cluster columns (rows)
     walked side by side, the last one narrower when they do not divide the grid."""
@@ -386,7 +386,7 @@ def test_swizzled_tile_walks_every_tile_once_in_bands(raster_along_m, cluster, s
 
     tile_m, tile_n = 128, 256
     config = KernelConfig(cluster=cluster, raster_along_m=raster_along_m, swizzle=swizzle)
-    module = import_source(emit(library.get("gemm"), config))
+    module = import_source(emit(library.get("gemm"), config), tmp_path)
     # the DSL's min and select_ on Python ints (select_ takes only traced conditions)
     module.cutlass = SimpleNamespace(min=min, select_=lambda cond, a, b: a if cond else b)
     for m, n in [(8192, 28672), (700, 1040), (128, 256), (1, 6144), (3000, 512)]:
@@ -572,3 +572,21 @@ def test_staging_tables_needs_their_period():
     with pytest.raises(UnsupportedError, match="must divide its period P = 12"):
         lower(program, KernelConfig(stage_tables=True, table_periods=(("cos", 12), ("sin", 12))))
     assert not KernelConfig(stage_tables=True).resolved(library.get("gemm")).stage_tables  # no tables: one spelling
+
+
+@pytest.mark.parametrize("name", ["cross_entropy_stats", "cross_entropy_bwd"])
+def test_int32_class_indices_compile_and_are_compared_as_integers(name, tmp_path):
+    """linear_cross_entropy passes its targets as int32: they reach shared memory as integers and
+    the comparison with the column index is an integer one (exact at any vocabulary)."""
+    program = library.get(name)
+    config = KernelConfig(tile=(128, 256), cluster=(1, 2), operand_dtypes=(("target", "i32"),))
+    source = emit(program, config)
+    assert "cute.struct.MemRange[cutlass.Int32, 128]" in source
+    assert re.search(r"= v_col\w* == view_in_target\[pair0\]$", source, re.M), "compared as Int32, no conversion"
+    assert "cutlass.Float32(view_in_target" not in source and "v_target" not in source
+    compiled = compile_program(program, config, keep=("sass",), dump_dir=tmp_path / "dump",
+                               source_dir=tmp_path / "src", report=True)
+    assert compiled.spill_bytes == 0
+    with pytest.raises(UnsupportedError, match="int32 is for row or column vectors the program compares"):
+        emit(program, config.with_(operand_dtypes=(("target", "i32"), ("lse", "i32"))) if name.endswith("bwd")
+             else emit(library.get("bias_gelu"), KernelConfig(operand_dtypes=(("bias", "i32"),))))

@@ -82,10 +82,25 @@ def test_signature_separates_what_changes_the_plan():
 
 def test_cpu_tensors_run_the_reference():
     kernel = Kernel(library.get("bias_gelu"))
-    a, b, bias = torch.randn(10, 16), torch.randn(24, 16), torch.randn(24)
+    a, b, bias = (torch.randn(*shape).bfloat16() for shape in ((10, 16), (24, 16), (24,)))
     out = kernel(a, b, bias=bias)
-    assert kernel.last.path == "reference" and kernel.launches == 0
-    torch.testing.assert_close(out, torch.nn.functional.gelu(a @ b.t() + bias))
+    assert kernel.last.path == "reference" and kernel.launches == 0 and kernel.last.config.tile == (128, 128)
+    want = torch.nn.functional.gelu(a.float() @ b.float().t() + bias.float())
+    torch.testing.assert_close(out, want.bfloat16(), rtol=0, atol=0)
+
+
+def test_cpu_calls_refuse_what_the_gpu_refuses_unless_relaxed():
+    """fp32 GEMM inputs and N = 383 (rows of 766 bytes) run on the reference but not in the
+    kernel: a strict Kernel refuses them on the CPU too, with the GPU's messages."""
+    program = library.get("bias_gelu")
+    a, b, bias = torch.randn(10, 16), torch.randn(383, 16), torch.randn(383)
+    with pytest.raises(cc.ArgumentError, match="A and B are torch.float32; the GPU kernels take bfloat16"):
+        Kernel(program)(a, b, bias=bias)
+    with pytest.raises(cc.ArgumentError, match="rows must be a multiple of 16 bytes for TMA stores"):
+        Kernel(program)(a.bfloat16(), b.bfloat16(), bias=bias.bfloat16())
+    relaxed = Kernel(program, strict=False)
+    torch.testing.assert_close(relaxed(a, b, bias=bias), torch.nn.functional.gelu(a @ b.t() + bias))
+    assert relaxed.last.path == "reference" and relaxed.last.config is None
 
 
 @pytest.mark.parametrize("given,want", [
@@ -175,3 +190,53 @@ def test_tables_read_by_segment_reductions_are_gathered():
         Kernel(segment_of_table, gpu="H200", stage_tables=True).config_for(problem)
     with pytest.raises(UnsupportedError, match=r"tables \['t'\]: a segment reduction .* cannot read a table staged"):
         lower(segment_of_table, KernelConfig(stage_tables=True, table_periods=(("t", 64),)))
+
+
+def test_out_views_are_written_in_place_or_refused():
+    """A 3-D view whose rows do not flatten in place would be copied (the kernel writing the
+    copy): it is refused; one that flattens is written and returned as given."""
+    program = library.get("gemm")
+    kernel = Kernel(program)
+    a, b = torch.randn(2, 8, 16).bfloat16(), torch.randn(24, 16).bfloat16()
+    buffer = torch.zeros(8, 2, 32, dtype=torch.bfloat16)
+    gapped = buffer.transpose(0, 1)[..., :24]  # (2, 8, 24): its two batches' rows are not evenly spaced
+    with pytest.raises(cc.ArgumentError, match=r"cannot be written in place as \(16, 24\)"):
+        kernel(a, b, out={"D": gapped})
+    rows = torch.zeros(16, 32, dtype=torch.bfloat16)
+    given = rows[:, :24].view(2, 8, 24)
+    assert kernel(a, b, out={"D": given}) is given
+    torch.testing.assert_close(given, cc.evaluate(program, a, b).outputs["D"], rtol=0, atol=0)
+    assert (rows[:, 24:] == 0).all()
+
+
+@pytest.mark.parametrize("given,message", [
+    ({"D": torch.zeros(16, 24)}, r"out\['D'\] must be \(16, 24\) or \(2, 8, 24\) torch.bfloat16, got \(16, 24\) torch.float32"),
+    ({"D": torch.zeros(8, 48, dtype=torch.bfloat16)}, r"got \(8, 48\) torch.bfloat16"),  # same element count
+    ({"E": torch.zeros(16, 24, dtype=torch.bfloat16)}, r"out= names unknown output\(s\) \['E'\]"),
+    ({"D": torch.zeros(16, 24, dtype=torch.bfloat16).requires_grad_()}, r"out\['D'\] requires grad"),
+])
+def test_out_is_checked_on_the_cpu_as_on_the_gpu(given, message):
+    a, b = torch.randn(2, 8, 16).bfloat16(), torch.randn(24, 16).bfloat16()
+    for strict in (True, False):
+        with pytest.raises(cc.ArgumentError, match=message):
+            Kernel(library.get("gemm"), strict=strict)(a, b, out=given)
+    with pytest.raises(cc.ArgumentError, match=r"out\['sumsq'\]: reductions are returned"):
+        Kernel(library.get("residual_sumsq"))(a, b, residual=torch.randn(2, 8, 24).bfloat16(),
+                                              out={"sumsq": torch.zeros(16)})
+
+
+def test_operands_may_share_names_with_the_calls_positional_arguments():
+    @cc.epilogue
+    def uses_call_names(acc, a: cc.ColVec, b: cc.RowVec, self: cc.Scalar):
+        return acc * a + b * self
+
+    x, w = torch.randn(16, 16).bfloat16(), torch.randn(24, 16).bfloat16()
+    col, row = torch.randn(24).bfloat16(), torch.randn(16).bfloat16()
+    out = Kernel(uses_call_names)(x, w, a=col, b=row, self=2.0)
+    want = (x.float() @ w.float().t()) * col.float() + row.float()[:, None] * 2.0
+    torch.testing.assert_close(out, want.bfloat16(), rtol=0, atol=0)
+    for name in ("out", "return_partials"):
+        namespace = {"cc": cc}
+        exec(f"def p(acc, {name}: cc.ColVec):\n    return acc", namespace)  # noqa: S102 - the test's own text
+        with pytest.raises(cc.ProgramError, match=f"operand name '{name}' is a keyword of the kernel call"):
+            cc.epilogue(namespace["p"])

@@ -628,3 +628,39 @@ def test_accumulator_parameter_and_constant_defaults():
 
     with raises_program(r"keyword-only parameter 'eps' needs a default \(it is a compile-time constant\)"):
         trace(no_default)
+
+
+# --------------------------------------------------------------------------- index operands
+def test_vectors_of_indices_must_hold_every_index_exactly():
+    """A RowVec compared with `.col` (class targets) in bf16 is exact only up to 256: above that it
+    is refused, naming the operand; float32 is exact below 2^24, int32 always."""
+    program = library.get("cross_entropy_stats")
+    a = torch.randn(4, 8)
+    for n, dtype, ok in [(256, torch.bfloat16, True), (264, torch.bfloat16, False), (2048, torch.float16, True),
+                         (2056, torch.float16, False), (4096, torch.float32, True), (4096, torch.int32, True)]:
+        target = torch.tensor([0, 3, n - 1, -1], dtype=dtype)
+        call = lambda: cc.evaluate(program, a, torch.randn(n, 8), {"target": target})  # noqa: E731
+        if ok:
+            call()
+        else:
+            with raises_argument(rf"operand 'target' \({dtype}\) is compared with col indices up to {n - 1}, but "
+                                 rf"{dtype} holds integers exactly only up to"):
+                call()
+    with raises_argument(r"operand 'bias' has dtype torch.int32; expected .* \(int32 for vectors the program "
+                         r"compares with .row or .col\)"):
+        cc.evaluate(library.get("bias_gelu"), a, torch.randn(16, 8), {"bias": torch.zeros(16, dtype=torch.int32)})
+
+
+def test_int32_indices_are_compared_exactly_in_the_reference():
+    """Indices past 2^24 (as a class index of a vocabulary that large would be): float32 rounds
+    2^24 + 1 to 2^24, int32 does not."""
+    @cc.epilogue
+    def picks(acc, index: cc.ColVec):
+        return cc.where(acc.col + 16777216 == index, 1.0, 0.0)
+
+    a, b = torch.randn(2, 8), torch.randn(4, 8)
+    index = torch.full((4,), 16777216 + 1, dtype=torch.int32)  # every column asks for column 1
+    exact = cc.evaluate(picks, a, b, {"index": index}).outputs["D"]
+    assert exact.tolist() == [[0.0, 1.0, 0.0, 0.0]] * 2
+    rounded = cc.evaluate(picks, a, b, {"index": index.float()}).outputs["D"]
+    assert rounded.tolist() == [[1.0, 1.0, 0.0, 0.0]] * 2, "float32 cannot tell 2^24 + 1 from 2^24"
