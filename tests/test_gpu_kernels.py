@@ -58,8 +58,9 @@ def make_inputs(program: Program, m: int, n: int, k: int, dtype, gen: torch.Gene
             operands[op.name] = torch.randn(m, cols, generator=gen).to(dtype)
         else:
             operands[op.name] = torch.randn(table_rows, 64, generator=gen)
-    if "target" in operands:  # class indices for cross_entropy_stats
-        operands["target"] = torch.randint(0, n, (m,), generator=gen).float()
+    if "target" in operands:  # class indices for cross_entropy_*: int32 (what nn passes) or fp32, by seed
+        target = torch.randint(0, n, (m,), generator=gen)
+        operands["target"] = target.int() if (m + n) % 2 else target.float()
     return a.cuda(), b.cuda(), {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in operands.items()}
 
 
