@@ -82,8 +82,12 @@ def _heads(w: torch.Tensor, head_dim: int) -> int:
 
 # registered at import, so torch.compile traces straight to the ops (no file access while tracing)
 _OPS = {name: library_op(library.get(name))
-        for name in ("rms_swiglu_save", "residual_sumsq", "swiglu_bwd_recompute", "rmsnorm_bwd_residual", "cross_entropy_stats",
+        for name in ("rms_swiglu_save", "residual_sumsq", "rmsnorm_bwd_residual", "cross_entropy_stats",
                      "cross_entropy_stats_save", "cross_entropy_bwd")}
+# the pre-activation's gradient written over the saved pre-activation (ops.library_op): one
+# tokens x 2 ffn buffer instead of two through the backward
+_OPS["swiglu_bwd_recompute"] = library_op(library.get("swiglu_bwd_recompute"), overwrite={"D": "preact"})
+_OPS["gemm_accumulate"] = library_op(library.get("gemm_accumulate"), overwrite={"D": "c"})
 
 
 class _LlamaMLPFunction(torch.autograd.Function):
@@ -105,9 +109,10 @@ class _LlamaMLPFunction(torch.autograd.Function):
         h, rstd, z, gamma, w_gate_up, w_down = ctx.saved_tensors
         d = h.shape[-1]
         dy = dh_out.reshape(-1, d).to(h.dtype).contiguous()
-        dz, a = ops["swiglu_bwd_recompute"](dy, w_down.t(), z)
+        a = ops["swiglu_bwd_recompute"](dy, w_down.t(), z)  # z now holds dz, its gradient
         dw_down = dy.t() @ a  # plain GEMM: cuBLAS (module docstring)
-        dh, dgamma, dw_gate_up = _rmsnorm_backward(ops, dz, w_gate_up, h, rstd, gamma, dy)
+        del a  # before the dgrad's outputs are allocated: the backward's peak memory
+        dh, dgamma, dw_gate_up = _rmsnorm_backward(ops, z, w_gate_up, h, rstd, gamma, dy)
         return dh.to(dh_out.dtype).reshape(ctx.shape), None, dgamma, dw_gate_up, dw_down, None
 
 
@@ -121,7 +126,7 @@ def _rmsnorm_backward(ops, d_pre, w, h, rstd, gamma, dh_residual):
     partial_dh, x, rowdot, dgamma = ops["rmsnorm_bwd_residual"](d_pre, w.t(), h, rstd, gamma, dh_residual)
     dw = d_pre.t() @ x
     # the norm's row-statistics term (its per-row coefficient rounded to h's dtype; the sum in fp32)
-    dh = torch.addcmul(partial_dh, h, (rstd * rstd * rowdot / d)[:, None].to(h.dtype), value=-1.0)
+    dh = partial_dh.addcmul_(h, (rstd * rstd * rowdot / d)[:, None].to(h.dtype), value=-1.0)
     return dh, dgamma.to(gamma.dtype), dw
 
 
@@ -217,50 +222,69 @@ def _rope_op(rotary_cols: int):
     return op
 
 
-def _rope_inverse(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_cols: int) -> torch.Tensor:
-    """Rotate interleaved column pairs of the first `rotary_cols` columns back (RoPE backward).
+def qkv_gradient(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of the QKV GEMM's output, (tokens, (q + k + v heads) * head_dim) in dq's dtype,
+    from attention's dq, dk, dv ((batch, heads, seq, head_dim)): q and k rotated back (RoPE's
+    backward, each interleaved pair (2i, 2i + 1) turned by minus its angle at (position, i)) and
+    all three laid out as the GEMM wrote them.  One pass over the gradients on the GPU, where
+    `_qkv_gradient_pass` compiles it (autograd would concatenate them first, then rotate)."""
+    batch, _, seq, head_dim = dq.shape
+    c, s = cos[:seq, None, :].float(), sin[:seq, None, :].float()  # (seq, 1, head_dim / 2)
 
-    Row r is position r % len(cos); pair p uses table column p % cos.shape[1].  Each pair is a
-    complex number multiplied by exp(-i angle): one fp32 pass, then one cast into the output
-    (the columns past `rotary_cols`, v, are copied as they are)."""
-    rows, _ = dy.shape
-    positions, half = cos.shape
-    out = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
-    out[:, rotary_cols:] = dy[:, rotary_cols:]
-    if rotary_cols:
-        pairs = torch.view_as_complex(dy[:, :rotary_cols].float().reshape(rows, rotary_cols // 2, 2))
-        inverse = torch.complex(cos.float(), -sin.float())  # (positions, half)
-        if rows % positions == 0 and (rotary_cols // 2) % half == 0:  # whole sequences and heads: broadcast
-            turned = pairs.view(rows // positions, positions, -1, half) * inverse[None, :, None, :]
-        else:
-            at_row = torch.arange(rows, device=dy.device) % positions
-            at_col = torch.arange(rotary_cols // 2, device=dy.device) % half
-            turned = pairs * inverse[at_row[:, None], at_col[None, :]]
-        out[:, :rotary_cols] = torch.view_as_real(turned).reshape(rows, rotary_cols)
-    return out
+    def as_rows(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).reshape(batch * seq, -1)
+
+    def unrotate(t: torch.Tensor) -> torch.Tensor:
+        x = t.transpose(1, 2).float().unflatten(-1, (head_dim // 2, 2))  # (batch, seq, heads, pairs, 2)
+        x0, x1 = x[..., 0], x[..., 1]
+        turned = torch.stack([x0 * c + x1 * s, x1 * c - x0 * s], dim=-1)
+        return turned.reshape(batch * seq, -1).to(t.dtype)
+
+    return torch.cat([unrotate(dq), unrotate(dk), as_rows(dv)], dim=-1)
+
+
+_COMPILED_QKV_GRADIENT = None
+
+
+def _qkv_gradient_pass(dq: torch.Tensor):
+    """`qkv_gradient` as one kernel on the GPU (torch.compile); on the CPU and under an outer
+    torch.compile, the plain function."""
+    global _COMPILED_QKV_GRADIENT
+    if not dq.is_cuda or torch.compiler.is_compiling():
+        return qkv_gradient
+    if _COMPILED_QKV_GRADIENT is None:
+        _COMPILED_QKV_GRADIENT = torch.compile(qkv_gradient, dynamic=False)
+    return _COMPILED_QKV_GRADIENT
 
 
 class _NormQKVRope(torch.autograd.Function):
-    """qkv = rope(rstd * (h @ (w_qkv * gamma).T)), and h itself passed through as the residual
-    stream, so that the residual's gradient reaches this backward and joins the norm's gradient
-    in the dgrad epilogue (instead of autograd adding the two afterwards)."""
+    """q, k, v = heads of rope(rstd * (h @ (w_qkv * gamma).T)), as (batch, heads, seq, head_dim)
+    views of the one buffer the GEMM wrote, and h itself passed through as the residual stream,
+    so that the residual's gradient reaches this backward and joins the norm's gradient in the
+    dgrad epilogue (instead of autograd adding the two afterwards).  Its backward takes attention's
+    dq, dk, dv as they come and makes the dgrad's input in one pass (`qkv_gradient`)."""
 
     @staticmethod
-    def forward(ctx, h, sumsq, gamma, w_qkv, cos, sin, rotary_cols, eps):
+    def forward(ctx, h, sumsq, gamma, w_qkv, cos, sin, heads, eps):
+        n_heads, n_kv_heads, head_dim = heads
+        batch, seq, _ = h.shape
         h2 = h.reshape(-1, h.shape[-1])
         rstd = _rstd(h2, sumsq, eps)
-        qkv = _rope_op(rotary_cols)(*_fold_gamma(h2, w_qkv, gamma), rstd, cos, sin)
+        qkv = _rope_op((n_heads + n_kv_heads) * head_dim)(*_fold_gamma(h2, w_qkv, gamma), rstd, cos, sin)
         ctx.save_for_backward(h2, rstd, gamma, w_qkv, cos, sin)
-        ctx.rotary_cols, ctx.shape = rotary_cols, h.shape
-        return qkv, h.view(h.shape)
+        ctx.shape = h.shape
+        q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+        q, k, v = (t.view(batch, seq, -1, head_dim).transpose(1, 2) for t in (q, k, v))
+        return q, k, v, h.view(h.shape)
 
     @staticmethod
-    def backward(ctx, dqkv, dresidual):
+    def backward(ctx, dq, dk, dv, dresidual):
         h, rstd, gamma, w_qkv, cos, sin = ctx.saved_tensors
-        d_pre = _rope_inverse(dqkv, cos, sin, ctx.rotary_cols).to(h.dtype)
+        d_pre = _qkv_gradient_pass(dq)(dq, dk, dv, cos, sin).to(h.dtype)
         dresidual = dresidual.reshape(h.shape).to(h.dtype).contiguous()
         dh, dgamma, dw = _rmsnorm_backward(_OPS, d_pre, w_qkv, h, rstd, gamma, dresidual)
-        return dh.to(dqkv.dtype).reshape(ctx.shape), None, dgamma, dw, None, None, None, None
+        return dh.to(dq.dtype).reshape(ctx.shape), None, dgamma, dw, None, None, None, None
 
 
 class _LinearResidual(torch.autograd.Function):
@@ -316,11 +340,8 @@ class LlamaAttention(nn.Module):
             raise ArgumentError(f"LlamaAttention: a sequence of {seq} positions is longer than max_positions = "
                                 f"{self.cos.shape[0]} (the RoPE tables' length)")
         hd, nq, nkv = self.head_dim, self.n_heads, self.n_kv_heads
-        rotary_cols = (nq + nkv) * hd
-        qkv, residual = _NormQKVRope.apply(h, sumsq, self.gamma, self.w_qkv, self.cos[:seq], self.sin[:seq],
-                                           rotary_cols, self.eps)
-        q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
-        q, k, v = (t.reshape(batch, seq, -1, hd).transpose(1, 2) for t in (q, k, v))
+        q, k, v, residual = _NormQKVRope.apply(h, sumsq, self.gamma, self.w_qkv, self.cos[:seq], self.sin[:seq],
+                                               (nq, nkv, hd), self.eps)
         attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nq != nkv)
         attn = attn.transpose(1, 2).reshape(batch, seq, nq * hd)
         return _LinearResidual.apply(attn, self.w_o, residual)
@@ -399,14 +420,35 @@ class _LinearCrossEntropy(torch.autograd.Function):
         else:
             per_row = dloss.float().expand(valid.shape) / (count.clamp_min(1) if ctx.reduction == "mean" else 1)
         per_row = torch.where(valid, per_row, 0.0)
-        if logits is None:  # the logits GEMM again, d logits in its epilogue
-            dlogits = _OPS["cross_entropy_bwd"](h2, weight, lse, t_index, per_row)  # (tokens, vocab), input dtype
-        else:
-            # in place: the logits' memory (tokens x vocab) becomes their gradient's
-            dlogits = _cross_entropy_grad_pass(logits)(logits, lse, t_index, per_row, out=logits)
+        if logits is None:
+            dh, dw = _chunked_head_backward(h2, weight, lse, t_index, per_row)
+            return dh.reshape(ctx.shape[0]), dw, None, None, None, None
+        # in place: the logits' memory (tokens x vocab) becomes their gradient's
+        dlogits = _cross_entropy_grad_pass(logits)(logits, lse, t_index, per_row, out=logits)
         dh = dlogits @ weight  # plain GEMMs: cuBLAS (module docstring)
         dw = dlogits.t() @ h2
         return dh.reshape(ctx.shape[0]), dw, None, None, None, None
+
+
+#: vocabulary columns whose logits' gradient exists at once in linear_cross_entropy(save_logits=False)
+VOCAB_CHUNK = 4096
+
+
+def _chunked_head_backward(h, weight, lse, target, dloss):
+    """dh and dW of the LM head without the tokens x vocab gradient: per chunk of VOCAB_CHUNK
+    vocabulary rows, the logits GEMM again with d logits in its epilogue (`cross_entropy_bwd`,
+    targets shifted to the chunk), its rows of dW (cuBLAS, written once), and its share of dh,
+    summed in fp32 by a GEMM whose epilogue adds it to the running sum in place
+    (`gemm_accumulate`).  Extra memory: one chunk of d logits and the fp32 dh."""
+    vocab = weight.shape[0]
+    dw = torch.empty_like(weight)
+    dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+    for start in range(0, vocab, VOCAB_CHUNK):
+        rows = weight[start:start + VOCAB_CHUNK]
+        dlogits = _OPS["cross_entropy_bwd"](h, rows, lse, target - start, dloss)  # (tokens, chunk)
+        torch.matmul(dlogits.t(), h, out=dw[start:start + VOCAB_CHUNK])
+        _OPS["gemm_accumulate"](dlogits, rows.t(), dh)
+    return dh.to(h.dtype), dw
 
 
 def cross_entropy_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, dloss: torch.Tensor,

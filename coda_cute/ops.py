@@ -18,6 +18,7 @@ import threading
 
 import torch
 
+from .errors import ProgramError
 from .program import Program
 from .runtime import Kernel
 
@@ -30,24 +31,40 @@ def op_name(program: Program) -> str:
     return f"{program.name}_{program.fingerprint[:10]}"
 
 
-def library_op(program: Program):
-    """The registered custom op for ``program`` (one per fingerprint, stable across processes)."""
-    name = op_name(program)
+def library_op(program: Program, overwrite: dict[str, str] | None = None):
+    """The registered custom op for ``program`` (one per fingerprint, stable across processes).
+
+    ``overwrite={output: operand}`` makes an op that writes that tile output over the operand's
+    tensor, in place, and returns the other outputs: e.g. the SwiGLU backward writes the gradient
+    of the pre-activation over the saved pre-activation (same shape and dtype), so the two never
+    occupy memory at once.  Each tile of the operand is read before the tile over it is written."""
+    overwrite = dict(overwrite or {})
+    name = op_name(program) + "".join(f"_{out}_over_{operand}" for out, operand in sorted(overwrite.items()))
     with _LOCK:
         if name not in _OPS:
-            _OPS[name] = _register(program, name)
+            _OPS[name] = _register(program, name, overwrite)
         return _OPS[name]
 
 
-def _register(program: Program, name: str):
+def _register(program: Program, name: str, overwrite: dict):
     kernel = Kernel(program, strict=False)  # on CPU tensors, any layout the reference can run (fp32 modules)
     names = [op.name for op in program.operands]
-    outputs = program.outputs
+    tiles = {o.name for o in program.tile_outputs}
+    if not set(overwrite) <= tiles or not set(overwrite.values()) <= set(names):
+        raise ProgramError(f"{program.name}: overwrite={overwrite} must map tile outputs {sorted(tiles)} to "
+                           f"operands {names}")
+    outputs = [o for o in program.outputs if o.name not in overwrite]  # none: the op returns None
 
     def impl(a, b, *operands):
-        result = kernel(a, b, **dict(zip(names, operands)))
+        given = dict(zip(names, operands))
+        result = kernel(a, b, out={out: given[operand] for out, operand in overwrite.items()} or None, **given)
+        if not isinstance(result, dict):
+            result = {program.outputs[0].name: result}
+        if not outputs:
+            return None
         if len(outputs) == 1:
-            return result.clone() if _aliases(result, a, b, operands) else result
+            single = result[outputs[0].name]
+            return single.clone() if _aliases(single, a, b, operands) else single
         return tuple(result[o.name] for o in outputs)
 
     def fake(a, b, *operands):
@@ -60,18 +77,20 @@ def _register(program: Program, name: str):
             else:
                 dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}.get(o.dtype, a.dtype)
                 made.append(a.new_empty((*batch, cols), dtype=dtype))
-        return made[0] if len(made) == 1 else tuple(made)
+        return None if not made else made[0] if len(made) == 1 else tuple(made)
 
-    params = [inspect.Parameter("a", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.Tensor),
-              inspect.Parameter("b", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.Tensor)]
+    # "__" cannot be in a program's names, so A and B never collide with an operand's
+    params = [inspect.Parameter("a__", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.Tensor),
+              inspect.Parameter("b__", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.Tensor)]
     params += [inspect.Parameter(op.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                  annotation=float if op.kind == "scalar" else torch.Tensor) for op in program.operands]
-    returns = torch.Tensor if len(outputs) == 1 else tuple.__class_getitem__((torch.Tensor,) * len(outputs))
+    returns = (None if not outputs else torch.Tensor if len(outputs) == 1
+               else tuple.__class_getitem__((torch.Tensor,) * len(outputs)))
     signature = inspect.Signature(params, return_annotation=returns)
     for function in (impl, fake):
         function.__signature__ = signature
         function.__annotations__ = {p.name: p.annotation for p in params} | {"return": returns}
-    op = torch.library.custom_op(f"coda_cute::{name}", impl, mutates_args=())
+    op = torch.library.custom_op(f"coda_cute::{name}", impl, mutates_args=tuple(sorted(set(overwrite.values()))))
     op.register_fake(fake)
     op.program = program
     op.kernel = kernel

@@ -19,3 +19,10 @@ def bias_gelu(acc, bias: cc.ColVec):
 def alpha_beta(acc, c: cc.Tile, alpha: cc.Scalar, beta: cc.Scalar):
     """D = alpha * (A @ B.T) + beta * C: BLAS-style accumulation (e.g. gradient accumulation)."""
     return alpha * acc + beta * c
+
+
+@cc.epilogue
+def gemm_accumulate(acc, c: cc.Tile):
+    """D = A @ B.T + C in fp32: sums GEMMs into one fp32 buffer (in place with out={"D": c}),
+    e.g. the LM head's input gradient over vocabulary chunks."""
+    return (acc + c).to(cc.f32)

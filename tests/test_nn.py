@@ -255,14 +255,44 @@ def test_gamma_is_folded_into_the_smaller_operand(tokens, gen):
     torch.testing.assert_close(a @ b.t(), (h * gamma) @ w.t())
 
 
-def test_rope_inverse_undoes_the_rotation_of_interleaved_pairs(gen):
-    from coda_cute.nn import _rope_inverse
+def test_qkv_gradient_rotates_q_and_k_back_and_lays_heads_out_as_the_gemm_wrote_them(gen):
+    """The transpose of the forward's rotation, per position and pair, on q and k; v as it is."""
+    from coda_cute.nn import qkv_gradient
 
-    angles = torch.rand(5, 4, generator=gen, dtype=torch.float64) * 6
-    y = torch.randn(10, 12, generator=gen, dtype=torch.float64)
-    turned = torch.view_as_real(torch.view_as_complex(y[:, :8].reshape(10, 4, 2).contiguous())
-                                * torch.polar(torch.ones_like(angles), angles).repeat(2, 1)).reshape(10, 8)
-    back = _rope_inverse(torch.cat([turned, y[:, 8:]], 1), angles.cos(), angles.sin(), 8)  # 2 sequences of 5
-    torch.testing.assert_close(back, y)
-    ragged = _rope_inverse(torch.cat([turned, y[:, 8:]], 1)[:7], angles.cos(), angles.sin(), 8)  # gathered tables
-    torch.testing.assert_close(ragged, y[:7])
+    batch, seq, hd, nq, nkv = 2, 5, 8, 3, 1
+    angles = torch.rand(seq, hd // 2, generator=gen, dtype=torch.float64) * 6
+    rotation = torch.polar(torch.ones_like(angles), angles)  # (seq, pairs)
+    y = torch.randn(batch, seq, (nq + 2 * nkv) * hd, generator=gen, dtype=torch.float64)  # the gradient wanted
+    heads = y.view(batch, seq, -1, hd // 2, 2)
+    turned = torch.view_as_real(torch.view_as_complex(heads.contiguous()) * rotation[None, :, None, :])
+    turned = turned.reshape(batch, seq, -1, hd).transpose(1, 2)  # as attention hands gradients back
+    dq, dk = turned[:, :nq], turned[:, nq:nq + nkv]
+    dv = y.view(batch, seq, -1, hd).transpose(1, 2)[:, nq + nkv:]
+    torch.testing.assert_close(qkv_gradient(dq, dk, dv, angles.cos(), angles.sin()), y.reshape(batch * seq, -1))
+
+
+def test_lean_head_backward_in_vocabulary_chunks_matches_autograd(gen, monkeypatch):
+    """save_logits=False: d logits one chunk of the vocabulary at a time (a ragged last chunk
+    here), dW written per chunk, dh summed in fp32 in place."""
+    import coda_cute.nn as nn_module
+
+    monkeypatch.setattr(nn_module, "VOCAB_CHUNK", 16)
+    h = torch.randn(2, 5, 16, generator=gen, requires_grad=True)
+    w = (torch.randn(40, 16, generator=gen) * 0.3).requires_grad_()
+    target = torch.randint(0, 40, (2, 5), generator=gen)
+    target[0, 1] = -100
+    linear_cross_entropy(h, w, target, save_logits=False).backward()
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    torch.nn.functional.cross_entropy((h2 @ w2.t()).flatten(0, 1), target.flatten()).backward()
+    torch.testing.assert_close(h.grad, h2.grad, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_an_op_may_write_an_output_over_an_operand(gen):
+    from coda_cute.ops import library_op
+
+    op = library_op(library.get("gemm_accumulate"), overwrite={"D": "c"})
+    a, b, c = (torch.randn(*shape, generator=gen) for shape in ((6, 8), (4, 8), (6, 4)))
+    want = a @ b.t() + c
+    assert op(a, b, c) is None
+    torch.testing.assert_close(c, want)
