@@ -14,12 +14,15 @@ forward
   3. `rms_swiglu_save`: z = rstd * ((h * gamma) @ W_gate_up.T), a = silu(gate) * up; z is saved;
   4. `residual_sumsq`: h_out = h + a @ W_down.T, plus sum(h_out^2) per row for the next norm.
 backward (dh_out)
-  5. `swiglu_bwd_recompute`: dz = SwiGLU'(z) * (dh_out @ W_down), and a recomputed (not saved);
-  6. dW_down = dh_out.T @ a (a plain GEMM);
+  5. `swiglu_bwd_recompute`: dz = SwiGLU'(z) * (dh_out @ W_down), written over z (the op
+     mutates its operand: one tokens x 2 ffn buffer through the backward), and a recomputed
+     (not saved);
+  6. dW_down = dh_out.T @ a (a plain GEMM); a is released before the next GEMM allocates;
   7. `rmsnorm_bwd_residual`: in the dgrad dz @ W_gate_up, D = dx_hat * rstd + dh_out, the
      normalized input x = h * rstd * gamma (stored for the weight gradient, not saved from the
      forward), row dots and dgamma partials;
-  8. dW_gate_up = dz.T @ x, and dh = D - h * rstd^2 * rowdot / d (one elementwise pass).
+  8. dW_gate_up = dz.T @ x, and dh = D - h * rstd^2 * rowdot / d (one elementwise pass, in place
+     over D).
 
 GEMMs with nothing to fuse (weight gradients, the O projection's dgrad) call cuBLAS
 through ``torch.matmul``: coda-cute's own plain GEMM runs at 0.97-1.01x cuBLAS on the H200
@@ -28,10 +31,12 @@ through ``torch.matmul``: coda-cute's own plain GEMM runs at 0.97-1.01x cuBLAS o
 ``LlamaAttention`` does the same for the attention half: `rms_rope_qkv` (norm scale and
 RoPE in the QKV GEMM's epilogue; q/k weight rows in interleaved-pair order, see
 ``rotate_half_to_interleaved``), PyTorch SDPA for attention itself, and `residual_sumsq`
-for the O projection.  RoPE's backward (the inverse rotation of dq, dk) acts on the QKV
-dgrad's *input*, so it runs as one elementwise pass (a complex multiply) before that GEMM,
-whose epilogue is `rmsnorm_bwd_residual` as in the MLP: the residual stream h passes through
-the QKV step's autograd function, so its gradient arrives there to join in the epilogue.
+for the O projection; q, k and v are views of the one buffer the QKV GEMM wrote.  RoPE's
+backward (the inverse rotation of dq, dk) acts on the QKV dgrad's *input*: `qkv_gradient`
+rotates dq and dk back and lays dq, dk, dv out as that GEMM's input in one compiled pass
+(no concatenation), and the dgrad's epilogue is `rmsnorm_bwd_residual` as in the MLP: the
+residual stream h passes through the QKV step's autograd function, so its gradient arrives
+there to join in the epilogue.
 ``LlamaBlock`` chains the two, passing the residual statistics from one to the next.
 
 On CPU tensors every program runs in the reference interpreter, so the modules also
