@@ -171,6 +171,7 @@ class Derivative:
     wrt: tuple[str, ...]  # the inputs differentiated ("acc" and operand names)
     gradients: tuple[Gradient, ...]  # one per differentiated input with a nonzero gradient
     upstream: tuple[str, ...]  # forward outputs whose gradient the backward takes
+    upstream_operands: tuple[tuple[str, str], ...]  # (output, the backward operand holding its gradient)
     saved_outputs: tuple[str, ...]  # forward outputs the backward reads as operands
 
     def assemble(self, results: dict) -> dict:
@@ -356,6 +357,7 @@ class _Deriver:
 
         saved_outputs = []
         upstream = []
+        upstream_operands = []
         for out in (self._output(n) for n in self.outputs):
             upstream.append(out.name)
             if out.is_reduction:
@@ -363,6 +365,7 @@ class _Deriver:
                 kind = "row" if out.axis == "row" else "col"
                 width = None if kind == "row" else self.width(out.node.width, f"output {out.name!r}")
                 g = self.operand(self.fresh(f"d_{out.name}"), kind, width)
+                upstream_operands.append((out.name, g.node.attrs[0]))
                 result = None
                 if out.reduce == "logsumexp":
                     result = self.operand(out.name, kind, width)
@@ -372,7 +375,9 @@ class _Deriver:
                 add(out.node, Expr(Node("acc", (), (), "f32", Fraction(1))), Fraction(1))
             else:
                 width = self.width(out.node.width, f"output {out.name!r}")
-                add(out.node, self.operand(self.fresh(f"d_{out.name}"), "tile", width), width)
+                g = self.operand(self.fresh(f"d_{out.name}"), "tile", width)
+                upstream_operands.append((out.name, g.node.attrs[0]))
+                add(out.node, g, width)
 
         for node in reversed(p.nodes):
             if id(node) in halves:
@@ -401,7 +406,8 @@ class _Deriver:
             stored = Output(self.preact, _cast(_acc_node(p), self.save_dtype), self.save_dtype)
             forward = Program(p.name + "_save", list(p.operands), list(p.outputs) + [stored], doc=p.doc)
         return Derivative(p, forward, backward, self.accumulator, self.grad_of, self.wrt, tuple(gradients),
-                          tuple(upstream), tuple(saved_outputs))
+                          tuple(upstream), tuple((o, n) for o, n in upstream_operands if n in declared),
+                          tuple(saved_outputs))
 
     def _propagate(self, node: Node, g: Expr, space: Fraction, add, halves) -> None:
         """Pass g, the gradient of ``node`` spread over ``space``, on to its arguments."""

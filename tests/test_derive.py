@@ -210,3 +210,16 @@ def segment_stats(acc, r: cc.RowVec):
 def test_segment_reductions_and_ties():
     _check(segment_stats, seed=11)
     _check(segment_stats, seed=12, accumulator="recompute")
+
+
+@pytest.mark.parametrize("name", ["swiglu", "bias_gelu", "cross_entropy_stats"])
+def test_derived_backward_compiles_for_sm90a(name, tmp_path):
+    """Derived backwards compile like hand-written ones: WGMMA mainloop, TMA stores, no spills."""
+    from coda_cute.compile import compile_program
+
+    d = derive(library.get(name))
+    compiled = compile_program(d.backward, KernelConfig(), keep=("sass",), dump_dir=tmp_path / "dump",
+                               source_dir=tmp_path / "src", report=True)
+    sass = compiled.artifacts["sass"].read_text()
+    assert "HGMMA" in sass and "UTMASTG" in sass
+    assert compiled.spill_bytes == 0

@@ -1,0 +1,116 @@
+"""ops.trainable: any forward program as a differentiable operator, on CPU tensors (the reference
+interpreter stands in for the kernels), against torch.autograd of the unfused math."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import coda_cute as cc
+from coda_cute import library
+from coda_cute.ops import trainable
+
+from random_programs import random_program
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def test_bias_gelu_matches_autograd():
+    gen = torch.Generator().manual_seed(0)
+    x, w, bias = (torch.randn(40, 24, generator=gen), torch.randn(48, 24, generator=gen) * 0.2,
+                  torch.randn(48, generator=gen))
+    f = trainable(library.get("bias_gelu"))
+    ours = [_leaf(t) for t in (x, w, bias)]
+    theirs = [_leaf(t) for t in (x, w, bias)]
+    g = torch.randn(40, 48, generator=gen)
+    (f(*ours) * g).sum().backward()
+    (F.gelu(theirs[0] @ theirs[1].t() + theirs[2]) * g).sum().backward()
+    for a, b, name in zip(ours, theirs, "x w bias".split()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"d {name}: {m}")
+
+
+def test_cross_entropy_from_its_statistics():
+    """cross_entropy_stats as an op: the loss lse - target_logit is differentiable through both
+    reductions, and equals F.cross_entropy's gradient."""
+    gen = torch.Generator().manual_seed(1)
+    h, w = torch.randn(32, 16, generator=gen), torch.randn(40, 16, generator=gen)
+    target = torch.randint(0, 40, (32,), generator=gen)
+    f = trainable(library.get("cross_entropy_stats"))
+    ours, theirs = [_leaf(t) for t in (h, w)], [_leaf(t) for t in (h, w)]
+    lse, target_logit = f(*ours, target.to(torch.int32))
+    (lse - target_logit).mean().backward()
+    F.cross_entropy(theirs[0] @ theirs[1].t(), target).backward()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(0, 40, 3))
+def test_random_compositions(seed):
+    """x's, w's and every operand's gradient against autograd through the reference interpreter."""
+    program = random_program(seed)
+    gen = torch.Generator().manual_seed(seed)
+    m, n, k = 24, 32, 16
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) * 0.3
+    operands = {}
+    for op in program.operands:
+        cols = int(op.width * n) if op.width is not None else None
+        operands[op.name] = {"row": lambda: torch.rand(m, generator=gen) + 0.5,
+                             "col": lambda: torch.rand(cols, generator=gen) + 0.5,
+                             "tile": lambda: torch.randn(m, cols, generator=gen),
+                             "scalar": lambda: 0.75}[op.kind]()
+    f = trainable(program)
+    tensors = {name: _leaf(v) for name, v in operands.items() if torch.is_tensor(v)}
+    xa, wa = _leaf(x), _leaf(w)
+    ours = f(xa, wa, *(tensors.get(name, v) for name, v in operands.items()))
+    ours = ours if isinstance(ours, tuple) else (ours,)
+    xo, wo = _leaf(x), _leaf(w)
+    ref_tensors = {name: _leaf(v) for name, v in tensors.items()}
+    ref = cc.evaluate(program, xo @ wo.t(), torch.eye(n), {**operands, **ref_tensors}).outputs
+    loss_ours = loss_ref = 0.0
+    for out, got in zip(program.outputs, ours):
+        if out.reduce in ("max", "maxabs"):
+            assert not got.requires_grad  # statistics: no gradient (derive's convention)
+            continue
+        g = torch.randn(got.shape, generator=gen).bfloat16().float()
+        loss_ours = loss_ours + (got.float() * g).sum()
+        loss_ref = loss_ref + (ref[out.name].float() * g).sum()
+    loss_ours.backward()
+    loss_ref.backward()
+    pairs = [("x", xa, xo), ("w", wa, wo)] + [(name, mine, ref_tensors[name]) for name, mine in tensors.items()]
+    for name, mine, want in pairs:
+        torch.testing.assert_close(mine.grad if mine.grad is not None else torch.zeros_like(mine),
+                                   want.grad if want.grad is not None else torch.zeros_like(want),
+                                   rtol=2e-4, atol=2e-4, msg=lambda msg: f"{program.name}: d {name}: {msg}")
+
+
+def test_compiles_with_fullgraph():
+    """Forward and backward are custom ops with fake implementations: one graph."""
+    f = trainable(library.get("bias_gelu"))
+    gen = torch.Generator().manual_seed(2)
+    x, w, bias = torch.randn(16, 8, generator=gen), torch.randn(24, 8, generator=gen), torch.randn(24, generator=gen)
+
+    def step(x, w, bias):
+        return f(x, w, bias).square().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    a, b = [_leaf(t) for t in (x, w, bias)], [_leaf(t) for t in (x, w, bias)]
+    compiled(*a).backward()
+    step(*b).backward()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_bad_calls_are_coda_errors():
+    f = trainable(library.get("bias_gelu"))
+    x, w = torch.randn(8, 8), torch.randn(8, 8)
+    with pytest.raises(cc.ArgumentError, match="missing operand"):
+        f(x, w)
+    with pytest.raises(cc.ArgumentError, match="expected operands"):
+        f(x, w, torch.randn(8), bias=torch.randn(8))
+    with pytest.raises(cc.ProgramError, match="takes a Program"):
+        trainable("bias_gelu")
+    with pytest.raises(cc.ProgramError, match="scalar 'alpha'"):
+        trainable(library.get("alpha_beta"), wrt=["alpha"])
