@@ -124,30 +124,25 @@ def trainable(program: Program, *, wrt=None, outputs=None):
     ``torch.compile(fullgraph=True)`` traces the step."""
     if not isinstance(program, Program):
         raise ProgramError(f"trainable() takes a Program, got {type(program).__name__}")
-    scalars = [op.name for op in program.operands if op.kind == "scalar"]
     if wrt is None:
-        index = set(index_operands(program))
-        wrt = ["acc"] + [op.name for op in program.operands
-                         if op.kind in ("row", "col", "tile") and op.name not in index]
+        wrt = _default_wrt(program)
     else:
         wrt = ["acc"] + [name for name in ([wrt] if isinstance(wrt, str) else list(wrt)) if name != "acc"]
-        for name in wrt:
-            if name in scalars:
-                raise ProgramError(f"trainable({program.name}): scalar {name!r} is a float at call time and has no "
-                                   "gradient; make it a RowVec or ColVec to learn it")
-    derivative = derive(program, wrt=wrt, outputs=outputs, accumulator="recompute")
-    return _Trainable(derivative)
+        scalars = [name for name in wrt[1:] if name in {op.name for op in program.operands if op.kind == "scalar"}]
+        if scalars:
+            raise ProgramError(f"trainable({program.name}): scalar {scalars[0]!r} is a float at call time and has "
+                               "no gradient; make it a RowVec or ColVec to learn it")
+    return _Trainable(_Chain([derive(program, wrt=wrt, outputs=outputs, accumulator="recompute")]))
 
 
 class _Trainable:
-    """The operator ``trainable`` returns (a callable; ``.derivative`` shows what it runs)."""
+    """The operator ``trainable`` returns: ``f(x, w, *operands, **operands_by_name)``."""
 
-    def __init__(self, derivative: Derivative):
-        self.derivative = derivative
-        self.program = derivative.program
-        self.forward_op = library_op(derivative.program)
-        self.backward_op = library_op(derivative.backward)
-        self.names = [op.name for op in self.program.operands]
+    def __init__(self, chain: "_Chain"):
+        self.chain = chain
+        self.derivative = chain.layers[0]
+        self.program = self.derivative.program
+        self.names = chain.names[0]
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, *operands, **named):
         given = dict(zip(self.names, operands))
@@ -158,68 +153,172 @@ class _Trainable:
         missing = [name for name in self.names if name not in given]
         if missing:
             raise ArgumentError(f"{self.program.name}: missing operand(s) {missing}")
-        outputs = _TrainableFunction.apply(self, x, w, *(given[name] for name in self.names))
-        return outputs[0] if len(outputs) == 1 else outputs
+        return self.chain(x, [w], [given])
 
     def __repr__(self) -> str:
         return f"<coda_cute trainable op {self.program.name}: {self.derivative.backward.name}>"
 
 
-class _TrainableFunction(torch.autograd.Function):
+def trainable_chain(programs):
+    """GEMM + epilogue layers in a row, ``y_i = program_i(y_{i-1} @ w_i.T, operands_i)``, as one
+    differentiable operator ``f(x, weights, operands)`` (``operands``: one dict per layer, by
+    name) returning the last layer's outputs.  Each layer but the last passes on its first tile
+    output; its other outputs stay inside.
+
+    This is CODA's backward: the gradient of layer i's output is the dgrad GEMM of layer i + 1
+    (``d_acc_{i+1} @ w_{i+1}``), and layer i's derived backward (``derive(program_i,
+    grad_of=<that output>)``) runs in that GEMM's epilogue, reading the pre-activation the
+    forward saved.  The last layer's backward recomputes its GEMM (as ``trainable`` does);
+    weight gradients are plain GEMMs (cuBLAS)."""
+    programs = list(programs)
+    if not programs or not all(isinstance(p, Program) for p in programs):
+        raise ProgramError("trainable_chain() takes a non-empty list of Programs")
+    layers = []
+    for i, program in enumerate(programs[:-1]):
+        if not program.tile_outputs:
+            raise ProgramError(f"trainable_chain: layer {i} ({program.name}) has no tile output to pass on")
+        passed = program.tile_outputs[0].name
+        layers.append(derive(program, outputs=[passed], grad_of=passed, accumulator="upstream",
+                             wrt=_default_wrt(program)))
+    layers.append(derive(programs[-1], accumulator="recompute", wrt=_default_wrt(programs[-1])))
+    return _Chain(layers)
+
+
+def _default_wrt(program: Program) -> list[str]:
+    index = set(index_operands(program))
+    return ["acc"] + [op.name for op in program.operands if op.kind in ("row", "col", "tile") and op.name not in index]
+
+
+class _Chain:
+    def __init__(self, layers: list[Derivative]):
+        self.layers = layers
+        self.forward_ops = [library_op(d.forward) for d in layers]
+        self.backward_ops = [library_op(d.backward) for d in layers]
+        self.names = [[op.name for op in d.program.operands] for d in layers]
+
+    def __call__(self, x: torch.Tensor, weights, operands=None):
+        weights = list(weights)
+        operands = [dict(o) for o in operands] if operands is not None else [{} for _ in self.layers]
+        if len(weights) != len(self.layers) or len(operands) != len(self.layers):
+            raise ArgumentError(f"trainable_chain of {len(self.layers)} layers: got {len(weights)} weights and "
+                                f"{len(operands)} operand dicts")
+        flat = []
+        for i, (names, given) in enumerate(zip(self.names, operands)):
+            if set(given) != set(names):
+                raise ArgumentError(f"layer {i} ({self.layers[i].program.name}) takes operands {names}, got "
+                                    f"{sorted(given)}")
+            flat += [given[name] for name in names]
+        outputs = _ChainFunction.apply(self, x, *weights, *flat)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def __repr__(self) -> str:
+        return f"<coda_cute trainable chain {' -> '.join(d.program.name for d in self.layers)}>"
+
+
+class _ChainFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, op: _Trainable, x, w, *operands):
-        result = op.forward_op(x, w, *operands)
-        ctx.op = op
-        ctx.tensors = [i for i, t in enumerate(operands) if isinstance(t, torch.Tensor)]
-        ctx.scalars = {i: t for i, t in enumerate(operands) if not isinstance(t, torch.Tensor)}
-        outputs = result if isinstance(result, tuple) else (result,)
-        by_name = {o.name: t for o, t in zip(op.program.outputs, outputs)}
-        saved = [by_name[name] for name in op.derivative.saved_outputs]  # e.g. a log-sum-exp the gradient reads
-        ctx.save_for_backward(x, w, *saved, *(operands[i] for i in ctx.tensors))
-        ctx.saved_count = len(saved)
-        statistics = [t for o, t in zip(op.program.outputs, outputs) if o.name not in op.derivative.upstream]
+    def forward(ctx, chain: _Chain, x, *rest):
+        n = len(chain.layers)
+        weights, flat = rest[:n], rest[n:]
+        per_layer, start = [], 0
+        for names in chain.names:
+            per_layer.append(list(flat[start:start + len(names)]))
+            start += len(names)
+        inputs, kept = [], []  # each layer's GEMM input; what each layer's backward reads of its forward
+        y = x
+        for i, (d, op) in enumerate(zip(chain.layers, chain.forward_ops)):
+            inputs.append(y)
+            result = op(y, weights[i], *per_layer[i])
+            result = result if isinstance(result, tuple) else (result,)
+            by_name = {o.name: t for o, t in zip(d.forward.outputs, result)}
+            kept.append([by_name[name] for name in _kept(d)])
+            if i < n - 1:
+                y = by_name[d.grad_of]
+        last = chain.layers[-1]
+        outputs = tuple(by_name[o.name] for o in last.program.outputs)
+        ctx.chain, ctx.counts = chain, [len(k) for k in kept]
+        ctx.scalars = {j: t for j, t in enumerate(flat) if not isinstance(t, torch.Tensor)}
+        ctx.tensor_slots = [j for j, t in enumerate(flat) if isinstance(t, torch.Tensor)]
+        ctx.save_for_backward(*inputs, *weights, *(t for k in kept for t in k),
+                              *(flat[j] for j in ctx.tensor_slots))
+        statistics = [t for o, t in zip(last.program.outputs, outputs) if o.name not in last.upstream]
         if statistics:
             ctx.mark_non_differentiable(*statistics)
-        return outputs  # a tuple always (a single output is unwrapped by the caller)
+        return outputs
 
     @staticmethod
     def backward(ctx, *grads):
-        op: _Trainable = ctx.op
-        d = op.derivative
-        x, w, *tensors = ctx.saved_tensors
-        saved, tensors = tensors[:ctx.saved_count], tensors[ctx.saved_count:]
-        operands = dict(ctx.scalars)
-        operands.update(zip(ctx.tensors, tensors))
-        values = {name: operands[i] for i, name in enumerate(op.names)}
-        values.update(zip(d.saved_outputs, saved))
-        holders = dict(d.upstream_operands)  # output -> the backward operand of its gradient
-        for out, grad in zip(op.program.outputs, grads):
-            if out.name not in holders:
-                continue
-            cols = w.shape[0] * out.node.width.numerator // out.node.width.denominator
-            if out.is_reduction:
-                shape = x.shape[:-1] if out.axis == "row" else (cols,)
-                grad = (grad if grad is not None else x.new_zeros(shape)).float()
-            else:  # a tile gradient, read like a tile operand: in the inputs' dtype
-                grad = (grad if grad is not None else x.new_zeros((*x.shape[:-1], cols))).to(x.dtype).contiguous()
-            values[holders[out.name]] = grad
-        args = [values[operand.name] for operand in d.backward.operands]
-        result = op.backward_op(x, w, *args)
-        result = result if isinstance(result, tuple) else (result,)
-        grads_of = d.assemble({o.name: t for o, t in zip(d.backward.outputs, result)})
-        d_acc = grads_of.get("acc")
-        dx = dw = None
-        if d_acc is not None:
-            d_acc = d_acc.to(x.dtype)
-            dx = (d_acc @ w) if ctx.needs_input_grad[1] else None
-            if ctx.needs_input_grad[2]:
-                dw = d_acc.reshape(-1, d_acc.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        operand_grads = []
-        for i, name in enumerate(op.names):
-            value = values[name]
-            grad = grads_of.get(name)
-            if grad is None or not isinstance(value, torch.Tensor) or not ctx.needs_input_grad[3 + i]:
-                operand_grads.append(None)
-            else:
-                operand_grads.append(grad.reshape(value.shape).to(value.dtype))
-        return (None, dx, dw, *operand_grads)
+        chain: _Chain = ctx.chain
+        n = len(chain.layers)
+        saved = list(ctx.saved_tensors)
+        inputs, weights, saved = saved[:n], saved[n:2 * n], saved[2 * n:]
+        kept = []
+        for count in ctx.counts:
+            kept.append(saved[:count])
+            saved = saved[count:]
+        flat = dict(ctx.scalars)
+        flat.update(zip(ctx.tensor_slots, saved))
+        per_layer, start = [], 0
+        for names in chain.names:
+            per_layer.append({name: flat[start + j] for j, name in enumerate(names)})
+            start += len(names)
+
+        operand_grads: list[dict] = [{} for _ in range(n)]
+        weight_grads = [None] * n
+        d_acc = None
+        for i in reversed(range(n)):
+            d = chain.layers[i]
+            values = dict(per_layer[i])
+            values.update(zip(_kept(d), kept[i]))
+            if i == n - 1:  # the last layer: its GEMM again, the given gradients as operands
+                a, b = inputs[i], weights[i]
+                _upstream_values(values, d, grads, a, b)
+            else:  # in the dgrad of layer i + 1: acc = d_acc_{i+1} @ w_{i+1}, the gradient of y_i
+                a, b = d_acc, weights[i + 1].t()
+            args = [values[operand.name] for operand in d.backward.operands]
+            result = chain.backward_ops[i](a, b, *args)
+            result = result if isinstance(result, tuple) else (result,)
+            found = d.assemble({o.name: t for o, t in zip(d.backward.outputs, result)})
+            if i < n - 1:
+                weight_grads[i + 1] = _weight_gradient(d_acc, inputs[i + 1])
+            d_acc = found.pop("acc", None)
+            if d_acc is None:
+                d_acc = inputs[i].new_zeros((*inputs[i].shape[:-1], weights[i].shape[0]))
+            d_acc = d_acc.to(inputs[i].dtype)
+            operand_grads[i] = found
+        weight_grads[0] = _weight_gradient(d_acc, inputs[0])
+        dx = d_acc @ weights[0] if ctx.needs_input_grad[1] else None
+        flat_grads = []
+        for i, names in enumerate(chain.names):
+            for name in names:
+                value, grad = per_layer[i][name], operand_grads[i].get(name)
+                flat_grads.append(None if grad is None or not isinstance(value, torch.Tensor)
+                                  else grad.reshape(value.shape).to(value.dtype))
+        return (None, dx, *weight_grads, *flat_grads)
+
+
+def _kept(d: Derivative) -> list[str]:
+    """Forward outputs a layer's backward reads: the saved pre-activation and saved results."""
+    operands = {op.name for op in d.backward.operands}
+    extra = [o.name for o in d.forward.outputs if o.name not in {p.name for p in d.program.outputs}]
+    return [name for name in dict.fromkeys([*d.saved_outputs, *extra]) if name in operands]
+
+
+def _upstream_values(values: dict, d: Derivative, grads, a: torch.Tensor, b: torch.Tensor) -> None:
+    """The gradients autograd gives for the outputs, as the backward program's operands (zeros
+    for an output no gradient reached)."""
+    holders = dict(d.upstream_operands)
+    for out, grad in zip(d.program.outputs, grads):
+        if out.name not in holders:
+            continue
+        cols = b.shape[0] * out.node.width.numerator // out.node.width.denominator
+        if out.is_reduction:
+            shape = a.shape[:-1] if out.axis == "row" else (cols,)
+            grad = (grad if grad is not None else a.new_zeros(shape)).float()
+        else:  # a tile gradient, read like a tile operand: in the inputs' dtype
+            grad = (grad if grad is not None else a.new_zeros((*a.shape[:-1], cols))).to(a.dtype).contiguous()
+        values[holders[out.name]] = grad
+
+
+def _weight_gradient(d_acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return d_acc.reshape(-1, d_acc.shape[-1]).t() @ x.reshape(-1, x.shape[-1])

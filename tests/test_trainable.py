@@ -114,3 +114,69 @@ def test_bad_calls_are_coda_errors():
         trainable("bias_gelu")
     with pytest.raises(cc.ProgramError, match="scalar 'alpha'"):
         trainable(library.get("alpha_beta"), wrt=["alpha"])
+
+
+@cc.epilogue
+def geglu(acc, rstd: cc.RowVec):
+    """A GLU with a GELU gate over a row-scaled pre-activation (N/2 wide)."""
+    gate, up = cc.pairs(acc * rstd)
+    return cc.gelu_tanh(gate) * up
+
+
+@cc.epilogue
+def soft_cap(acc, bias: cc.ColVec, *, cap=3.0):
+    """A soft-capped output: cap * tanh((acc + bias) / cap)."""
+    return cap * cc.tanh((acc + bias) / cap)
+
+
+@cc.epilogue
+def scaled_silu(acc, scale: cc.ColVec, residual: cc.Tile):
+    """A per-column-scaled activation plus a residual, and the rows' sums of squares."""
+    h = cc.silu(acc) * scale + residual
+    return {"D": h, "sumsq": cc.row_sumsq(h)}
+
+
+def _chain_reference(x, weights, operands):
+    rstd, bias, scale, residual = operands
+    y1 = cc.evaluate(geglu, x @ weights[0].t(), torch.eye(weights[0].shape[0]), {"rstd": rstd}).outputs["D"]
+    y2 = cc.evaluate(soft_cap, y1 @ weights[1].t(), torch.eye(weights[1].shape[0]), {"bias": bias}).outputs["D"]
+    out = cc.evaluate(scaled_silu, y2 @ weights[2].t(), torch.eye(weights[2].shape[0]),
+                      {"scale": scale, "residual": residual}).outputs
+    return out["D"], out["sumsq"]
+
+
+def test_three_layer_chain_matches_autograd():
+    """Each layer's derived backward runs in the next layer's dgrad GEMM (upstream accumulator),
+    the last one recomputes its GEMM; every gradient equals autograd through the reference."""
+    gen = torch.Generator().manual_seed(4)
+    m, d, f = 24, 16, 32
+    x = torch.randn(m, d, generator=gen)
+    weights = [torch.randn(2 * f, d, generator=gen) * 0.3, torch.randn(d, f, generator=gen) * 0.3,
+               torch.randn(d, d, generator=gen) * 0.3]
+    operands = [torch.rand(m, generator=gen) + 0.5, torch.randn(d, generator=gen) * 0.1,
+                torch.rand(d, generator=gen) + 0.5, torch.randn(m, d, generator=gen)]
+    chain = cc.ops.trainable_chain([geglu, soft_cap, scaled_silu])
+    assert [layer.accumulator for layer in chain.layers] == ["upstream", "upstream", "recompute"]
+    mine = [_leaf(t) for t in (x, *weights, *operands)]
+    ref = [_leaf(t) for t in (x, *weights, *operands)]
+    h, sumsq = chain(mine[0], mine[1:4], [{"rstd": mine[4]}, {"bias": mine[5]},
+                                          {"scale": mine[6], "residual": mine[7]}])
+    h_ref, sumsq_ref = _chain_reference(ref[0], ref[1:4], ref[4:])
+    torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-5)
+    gh, gs = torch.randn(h.shape, generator=gen), torch.randn(sumsq.shape, generator=gen)
+    ((h * gh).sum() + (sumsq * gs).sum()).backward()
+    ((h_ref * gh).sum() + (sumsq_ref * gs).sum()).backward()
+    names = ["x", "w1", "w2", "w3", "rstd", "bias", "scale", "residual"]
+    for name, a, b in zip(names, mine, ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=2e-4, atol=2e-4, msg=lambda msg: f"d {name}: {msg}")
+
+
+def test_chain_arguments_are_checked():
+    chain = cc.ops.trainable_chain([soft_cap, soft_cap])
+    x, w = torch.randn(8, 8), torch.randn(8, 8)
+    with pytest.raises(cc.ArgumentError, match="2 layers: got 1 weights"):
+        chain(x, [w], [{"bias": torch.randn(8)}, {"bias": torch.randn(8)}])
+    with pytest.raises(cc.ArgumentError, match=r"layer 1 \(soft_cap\) takes operands \['bias'\]"):
+        chain(x, [w, w], [{"bias": torch.randn(8)}, {}])
+    with pytest.raises(cc.ProgramError, match="no tile output to pass on"):
+        cc.ops.trainable_chain([library.get("cross_entropy_stats"), soft_cap])
