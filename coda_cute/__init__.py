@@ -4,6 +4,7 @@ Layers, in the order a program flows through them (one module each):
 
 - ``frontend``   the user's contract: ``@epilogue`` functions of named operands;
 - ``program``    the validated program (a typed DAG) and its fingerprint;
+- ``derive``     backward programs derived from forward programs (reverse mode over the DAG);
 - ``arguments``  checks of runtime tensors against a program (shared by every consumer);
 - ``reference``  the pure-PyTorch interpreter: ground truth and CPU fallback;
 - ``config``     what a kernel is specialized for (arch, GPU, dtypes, majors, tile, cluster);
@@ -12,6 +13,7 @@ Layers, in the order a program flows through them (one module each):
 - ``compile``    ``cute.compile`` of that module, with or without a GPU, plus PTX/SASS;
 - ``cache``      compiled kernels in memory and on disk, keyed by everything that matters;
 - ``runtime``    ``Kernel(program)(a, b, ...)`` on torch tensors, with argument checks;
+- ``ops``        programs as torch custom ops, and trainable ops / chains with derived backwards;
 - ``library``    the ready programs in ``epilogues/``;  ``cli``: the ``coda-cute`` command.
 """
 
@@ -24,6 +26,9 @@ from .frontend import (
     maximum, minimum, pairs, reduce, relu, row_logsumexp, row_max, row_maxabs, row_sum, row_sumsq,
     rsqrt, sigmoid, silu, sqrt, square, tanh, where,
 )
+from .derive import derive
 from .program import Program
 from .reference import evaluate
 from .runtime import Kernel, run
+
+from . import ops  # noqa: E402  (cc.ops.trainable, cc.ops.trainable_chain: torch ops of programs)
