@@ -17,8 +17,6 @@ Layers, in the order a program flows through them (one module each):
 - ``library``    the ready programs in ``epilogues/``;  ``cli``: the ``coda-cute`` command.
 """
 
-__version__ = "0.1.0"
-
 from .errors import ArgumentError, CodaError, ProgramError, UnsupportedError
 from .frontend import (
     ColVec, Expr, Reduction, RowVec, Scalar, Table, Tile, bf16, clamp, col_logsumexp, col_max,
@@ -30,5 +28,6 @@ from .derive import derive
 from .program import Program
 from .reference import evaluate
 from .runtime import Kernel, run
+from .version import __version__
 
 from . import ops  # noqa: E402  (cc.ops.trainable, cc.ops.trainable_chain: torch ops of programs)

@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from . import __version__
 from .config import CLUSTER_SHAPES, DEFAULT_SWIZZLE, GPUS, SCHEDULES, SWIZZLES, TILE_SHAPES, KernelConfig, parse_pair
 from .errors import CodaError, ProgramError, UnsupportedError
 from .lower import CUTE_DTYPES
 from .program import Program, width_str
+from .version import __version__
 
 PROG = "coda-cute"
 

@@ -6,11 +6,11 @@ from functools import lru_cache
 
 import jinja2
 
-from . import __version__
 from .config import KernelConfig
 from .library import resource_dir
 from .lower import TABLE_SLOT, Context, lower
 from .program import Program
+from .version import __version__
 
 TEMPLATES = {"sm_90a": "sm90_gemm.py.j2"}
 
