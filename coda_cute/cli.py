@@ -31,7 +31,6 @@ import re
 import sys
 import tempfile
 import time
-import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -40,6 +39,7 @@ from .config import CLUSTER_SHAPES, DEFAULT_SWIZZLE, GPUS, SCHEDULES, SWIZZLES, 
 from .errors import CodaError, ProgramError, UnsupportedError
 from .lower import CUTE_DTYPES
 from .program import Program, width_str
+from .runtime import runtime_defaults
 from .version import __version__
 
 PROG = "coda-cute"
@@ -85,23 +85,6 @@ def parse_operand_dtypes(program: Program, items: Iterable[str] | None) -> tuple
             raise UnsupportedError(f"--operand-dtype gives {name!r} two dtypes ({found[name]} and {dtype})")
         found[name] = dtype
     return tuple(found.items())
-
-
-def runtime_config(program: Program, config: KernelConfig) -> KernelConfig:
-    """``config`` as the runtime (``Kernel.config_for``) spells it: every tensor operand's dtype
-    listed, in program order, defaulting to the input dtype.  The cache key includes
-    ``operand_dtypes`` literally, so a precompiled kernel is only found at run time in this form."""
-    return config.resolved(program)
-
-
-def runtime_defaults(program: Program, tile=None, cluster=None, schedule=None) -> tuple[tuple[int, int], tuple[int, int], str]:
-    """Tile, cluster and schedule ``Kernel`` runs for a large problem (M, N in the thousands),
-    with the ones given kept and the rest filled as ``Kernel`` fills them."""
-    from .runtime import fill_config
-
-    large = types.SimpleNamespace(program=program, m=8192, n=8192)
-    tile, cluster, schedule = fill_config(large, tile, cluster, schedule)
-    return tuple(tile), tuple(cluster), schedule
 
 
 def short_config(config: KernelConfig) -> str:
@@ -154,10 +137,10 @@ def precompile(programs: Iterable[Program | str], configs: Iterable[KernelConfig
     """Compile every (program, config) of the cross product into the disk cache, ``jobs``
     processes at a time (default: one per CPU).  ``programs`` are Programs or library names.
 
-    Each config is first put in the form the runtime asks the cache for (``runtime_config``),
-    so later ``Kernel(program)(...)`` calls with those settings find the kernels.  Pairs the
-    generator cannot build come back "skipped" without compiling; pairs with the same cache
-    key are built once.  ``progress`` gets a line per finished kernel,
+    Each config is first put in the form the runtime asks the cache for (``KernelConfig.resolved``:
+    every tensor operand's dtype spelled out), so later ``Kernel(program)(...)`` calls with those
+    settings find the kernels.  Pairs the generator cannot build come back "skipped" without
+    compiling; pairs with the same cache key are built once.  ``progress`` gets a line per finished kernel,
     "[i/n] name config: 1.23 s (compiled)".  The workers are fresh (spawned) processes that
     share the disk cache (``coda_cute.cache.cache_dir()``) and receive each program as its IR
     (any Program works, including ones traced inside a function); as with any spawn pool, a
@@ -182,7 +165,7 @@ def precompile_pairs(pairs: Iterable[tuple[Program, KernelConfig]], *, jobs: int
     for program, config in pairs:
         try:
             parse_operand_dtypes(program, [f"{n}={d}" for n, d in config.operand_dtypes])
-            config = runtime_config(program, config).check()
+            config = config.resolved(program).check()
             lower(program, config)  # cheap, and runs every check a compile would fail on
         except UnsupportedError as exc:
             results.append(PrecompileResult(program.name, config, "skipped", message=str(exc)))

@@ -83,7 +83,8 @@ class Kernel:
         )
         table_periods = tuple((op.name, int(problem.operands[op.name].shape[1]))
                               for op in self.program.operands if op.kind == "table")
-        tile, cluster, schedule = fill_config(problem, self.tile, self.cluster, self.schedule)
+        tile, cluster, schedule = fill_config(self.program, problem.m, problem.n, self.tile, self.cluster,
+                                              self.schedule)
         staged = self.stage_tables is not False and any(op.kind == "table" for op in self.program.operands)
         if staged:
             reason = stageable_tables(self.program, problem, tile[0])
@@ -270,18 +271,29 @@ def gpu_model(device: torch.device) -> str:
     raise UnsupportedError(f"{props.name} with {props.multi_processor_count} SMs is not a known Hopper GPU")
 
 
-def fill_config(problem: Problem, tile=None, cluster=None, schedule=None) -> tuple:
-    """(tile, cluster, schedule) with what the caller left out (None) filled by the defaults: a
-    tile alone runs cooperative, a schedule alone gets that schedule's default tile, a missing
-    cluster follows the default cluster rule.  `Kernel` and the CLI both fill their configs here."""
+def fill_config(program: Program, m: int, n: int, tile=None, cluster=None, schedule=None) -> tuple:
+    """(tile, cluster, schedule) with what the caller left out (None) filled by the defaults for
+    an M x N output: a tile alone runs cooperative, a schedule alone gets that schedule's default
+    tile, a missing cluster follows the default cluster rule.  `Kernel` fills its configs here,
+    the CLI through ``runtime_defaults``."""
     if tile is not None and schedule is None:
         schedule = "cooperative"
-    default = default_tile(problem, schedule)
+    default = default_tile(program, m, n, schedule)
     return tile or default[0], cluster or default[1], schedule or default[2]
 
 
-def default_tile(problem: Problem, schedule: str | None = None) -> tuple[tuple[int, int], tuple[int, int], str]:
-    """Tile, cluster and schedule for a problem: 128x256 with a 2-CTA cluster for big outputs;
+def runtime_defaults(program: Program, tile=None, cluster=None,
+                     schedule=None) -> tuple[tuple[int, int], tuple[int, int], str]:
+    """Tile, cluster and schedule ``Kernel`` runs for a large problem (M, N in the thousands),
+    with the ones given kept and the rest filled as ``Kernel`` fills them: what ``coda-cute emit``,
+    ``inspect`` and ``precompile`` build when their flags leave them out."""
+    tile, cluster, schedule = fill_config(program, 8192, 8192, tile, cluster, schedule)
+    return tuple(tile), tuple(cluster), schedule
+
+
+def default_tile(program: Program, m: int, n: int,
+                 schedule: str | None = None) -> tuple[tuple[int, int], tuple[int, int], str]:
+    """Tile, cluster and schedule for an M x N output: 128x256 with a 2-CTA cluster for big outputs;
     ping-pong 128x192 for programs with a heavy epilogue (see _heavy_epilogue).  With a
     ``schedule`` asked for, the tile for that schedule: ping-pong 128x192 where the epilogue
     is heavy, else 128x128 (every library program compiles there without spills)."""
@@ -291,13 +303,13 @@ def default_tile(problem: Problem, schedule: str | None = None) -> tuple[tuple[i
     # 1.53 vs 1.72 ms, RoPE 0.67 vs 0.70; RMS + SwiGLU + save 0.863 vs 0.931 at d = 2048, 2.903
     # vs 3.128 at d = 4096, even at d = 8192) and loses a few % elsewhere (smaller tile; for
     # residual + sumsq and RMSNorm backward, whose epilogues wait on tile inputs)
-    cluster = (1, 2) if problem.n > 256 else (2, 1) if problem.m > 128 else (1, 1)
-    heavy = _heavy_epilogue(problem.program)
+    cluster = (1, 2) if n > 256 else (2, 1) if m > 128 else (1, 1)
+    heavy = _heavy_epilogue(program)
     if schedule == "pingpong":
         return ((128, 192) if heavy else (128, 128)), cluster, "pingpong"
-    if problem.n <= 128:
+    if n <= 128:
         return (128, 128), cluster, "cooperative"
-    if problem.n >= 1024 and heavy and schedule is None:
+    if n >= 1024 and heavy and schedule is None:
         return (128, 192), cluster, "pingpong"
     return (128, 256), cluster, "cooperative"
 

@@ -15,13 +15,12 @@ import pytest
 import torch
 
 from coda_cute import library
-from coda_cute.cli import runtime_defaults
 from coda_cute.arguments import bind
 from coda_cute.cache import cache_key, list_entries
-from coda_cute.cli import build_parser, main, precompile, precompile_requests, runtime_config
+from coda_cute.cli import build_parser, main, precompile, precompile_requests
 from coda_cute.config import KernelConfig
 from coda_cute.render import emit
-from coda_cute.runtime import Kernel
+from coda_cute.runtime import Kernel, runtime_defaults
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -138,8 +137,6 @@ def test_emit_fills_what_the_flags_leave_out_as_kernel_does(capsys, name, flags,
 
 def test_emit_defaults_to_the_kernel_the_runtime_picks(capsys):
     """Without tile / cluster / schedule flags, emit shows what `Kernel` would run on a large problem."""
-    from coda_cute.cli import runtime_defaults
-
     program = library.get("swiglu_bwd")
     tile, cluster, schedule = runtime_defaults(program)
     assert (tile, schedule) == ((128, 192), "pingpong")  # a heavy epilogue (2N-wide tiles)
@@ -267,14 +264,14 @@ def test_precompile_defaults_are_the_keys_the_runtime_asks_for(name):
     """Without --tile/--cluster, precompile builds what Kernel picks for a large problem, under
     the cache key a real call computes (operand dtypes spelled out as the runtime does)."""
     [(program, config)] = precompile_requests(build_parser().parse_args(["precompile", name]))
-    assert cache_key(program, runtime_config(program, config)) == _runtime_key(name)
+    assert cache_key(program, config) == _runtime_key(name)
 
 
 def test_precompile_operand_dtype_reaches_the_key():
     args = build_parser().parse_args(["precompile", "rms_scale_gamma", "--operand-dtype", "rstd=f32"])
     [(program, config)] = precompile_requests(args)
-    assert cache_key(program, runtime_config(program, config)) == _runtime_key("rms_scale_gamma", rstd=torch.float32)
-    assert cache_key(program, runtime_config(program, config)) != _runtime_key("rms_scale_gamma")
+    assert cache_key(program, config) == _runtime_key("rms_scale_gamma", rstd=torch.float32)
+    assert cache_key(program, config) != _runtime_key("rms_scale_gamma")
 
 
 def test_precompile_cross_product_of_repeated_flags():

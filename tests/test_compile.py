@@ -8,12 +8,12 @@ import pytest
 
 import coda_cute as cc
 from coda_cute import library
-from coda_cute.cli import runtime_defaults
 from coda_cute.compile import compile_program
 from coda_cute.config import DEFAULT_SWIZZLE, KernelConfig
 from coda_cute.errors import UnsupportedError
 from coda_cute.lower import lower
 from coda_cute.render import emit
+from coda_cute.runtime import runtime_defaults
 
 pytestmark = pytest.mark.compile
 

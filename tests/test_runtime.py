@@ -12,7 +12,7 @@ from coda_cute.arguments import bind
 from coda_cute.config import DEFAULT_SWIZZLE, KernelConfig
 from coda_cute.errors import UnsupportedError
 from coda_cute.lower import lower
-from coda_cute.runtime import CallPlan, Kernel, _signature
+from coda_cute.runtime import CallPlan, Kernel, _signature, runtime_defaults
 
 
 def _stand_in(program, tile):
@@ -129,8 +129,6 @@ def test_kernel_fills_only_what_the_caller_left_out(given, want):
 def test_default_schedule_per_program(name, schedule):
     """Ping-pong 128x192 where the epilogue is heavy (measured, benchmarks/results), else
     cooperative 128x256, for a large problem."""
-    from coda_cute.cli import runtime_defaults
-
     assert runtime_defaults(library.get(name)) == (((128, 192) if schedule == "pingpong" else (128, 256)), (1, 2),
                                                    schedule)
 
