@@ -18,24 +18,22 @@ Config flags (the ones every emitted kernel's header prints, so that line regene
 Errors the user can fix (``coda_cute.errors.CodaError``) print as one line,
 ``coda-cute: error: <message>``, and exit with status 2.
 
-``precompile(programs, configs, jobs=...)`` is the Python API behind ``coda-cute precompile``.
+``coda_cute.cache.precompile(programs, configs, jobs=...)`` is the Python API behind
+``coda-cute precompile``.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import multiprocessing
 import os
 import re
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
-from .config import CLUSTER_SHAPES, DEFAULT_SWIZZLE, GPUS, SCHEDULES, SWIZZLES, TILE_SHAPES, KernelConfig, parse_pair
+from .config import CLUSTER_SHAPES, DEFAULT_SWIZZLE, GPUS, SCHEDULES, SWIZZLES, TILE_SHAPES, KernelConfig
+from .config import parse_operand_dtypes, parse_pair
 from .errors import CodaError, ProgramError, UnsupportedError
 from .lower import CUTE_DTYPES
 from .program import Program, width_str
@@ -62,137 +60,6 @@ def parse_tile(text: str) -> tuple[int, int]:
 def parse_cluster(text: str) -> tuple[int, int]:
     """'2x1' -> (2, 1), or an error listing the supported cluster shapes."""
     return _pair(text, "cluster", CLUSTER_SHAPES)
-
-
-def parse_operand_dtypes(program: Program, items: Iterable[str] | None) -> tuple[tuple[str, str], ...]:
-    """``NAME=DTYPE`` flags -> ``KernelConfig.operand_dtypes``, checked against ``program``."""
-    tensors = [op.name for op in program.operands if op.kind != "scalar"]
-    found: dict[str, str] = {}
-    for item in items or ():
-        name, sep, dtype = item.partition("=")
-        name, dtype = name.strip(), dtype.strip()
-        if not sep or not name or not dtype:
-            raise UnsupportedError(f"--operand-dtype {item!r}: expected NAME=DTYPE, e.g. residual=f32")
-        if name not in tensors:
-            scalars = [op.name for op in program.operands if op.kind == "scalar"]
-            why = (f"{name!r} is a Scalar (always a runtime float)" if name in scalars
-                   else f"program {program.name!r} has no tensor operand {name!r}")
-            raise UnsupportedError(f"--operand-dtype {item}: {why}; its tensor operands are: "
-                                   f"{', '.join(tensors) or 'none'}")
-        if dtype not in CUTE_DTYPES:
-            raise UnsupportedError(f"--operand-dtype {item}: dtype {dtype!r} is not one of {', '.join(CUTE_DTYPES)}")
-        if name in found and found[name] != dtype:
-            raise UnsupportedError(f"--operand-dtype gives {name!r} two dtypes ({found[name]} and {dtype})")
-        found[name] = dtype
-    return tuple(found.items())
-
-
-def short_config(config: KernelConfig) -> str:
-    """One compact line for progress output: dtype, majors, tile, cluster, GPU, operand dtypes."""
-    text = (f"{config.dtype} {config.majors} tile {config.tile[0]}x{config.tile[1]} "
-            f"cluster {config.cluster[0]}x{config.cluster[1]} {config.schedule} {config.gpu}")
-    odd = [f"{name}={dtype}" for name, dtype in config.operand_dtypes if dtype != config.dtype]
-    return text + (f" ({', '.join(odd)})" if odd else "")
-
-
-# ----------------------------------------------------------------------------- precompile API
-@dataclass
-class PrecompileResult:
-    """One (program, config) of a ``precompile`` run."""
-
-    program: str
-    config: KernelConfig
-    status: str  # "compiled", "disk" or "memory" (where get_kernel found it), "skipped" or "failed"
-    seconds: float = 0.0  # wall time in the worker (render + compile + export, or load)
-    path: str | None = None  # the cache entry's folder
-    message: str = ""  # why it was skipped or failed
-
-    @property
-    def ok(self) -> bool:
-        return self.status in ("compiled", "disk", "memory")
-
-    def line(self) -> str:
-        what = f"{self.program} {short_config(self.config)}"
-        if self.ok:
-            return f"{what}: {self.seconds:.2f} s ({self.status})"
-        return f"{what}: {self.status} ({self.message})"
-
-
-def _plain(program: Program) -> Program:
-    """A picklable copy (the @epilogue subclass keeps its Python function, which may not pickle)."""
-    return Program(program.name, program.operands, program.outputs, program.doc)
-
-
-def _compile_one(program: Program, config: KernelConfig) -> tuple[str, float, str | None]:
-    """Worker: compile (or find) one kernel in the disk cache."""
-    from .cache import get_kernel
-
-    start = time.perf_counter()
-    entry = get_kernel(program, config)
-    return entry.origin, time.perf_counter() - start, (str(entry.path) if entry.path else None)
-
-
-def precompile(programs: Iterable[Program | str], configs: Iterable[KernelConfig], *, jobs: int | None = None,
-               progress: Callable[[str], None] | None = None) -> list[PrecompileResult]:
-    """Compile every (program, config) of the cross product into the disk cache, ``jobs``
-    processes at a time (default: one per CPU).  ``programs`` are Programs or library names.
-
-    Each config is first put in the form the runtime asks the cache for (``KernelConfig.resolved``:
-    every tensor operand's dtype spelled out), so later ``Kernel(program)(...)`` calls with those
-    settings find the kernels.  Pairs the generator cannot build come back "skipped" without
-    compiling; pairs with the same cache key are built once.  ``progress`` gets a line per finished kernel,
-    "[i/n] name config: 1.23 s (compiled)".  The workers are fresh (spawned) processes that
-    share the disk cache (``coda_cute.cache.cache_dir()``) and receive each program as its IR
-    (any Program works, including ones traced inside a function); as with any spawn pool, a
-    script that calls this must do so under ``if __name__ == "__main__":``.
-    """
-    from . import library
-
-    resolved = [library.get(p) if isinstance(p, str) else p for p in programs]
-    configs = list(configs)
-    return precompile_pairs([(p, c) for p in resolved for c in configs], jobs=jobs, progress=progress)
-
-
-def precompile_pairs(pairs: Iterable[tuple[Program, KernelConfig]], *, jobs: int | None = None,
-                     progress: Callable[[str], None] | None = None) -> list[PrecompileResult]:
-    """``precompile`` for an explicit list of (program, config) pairs."""
-    from .cache import cache_key
-    from .lower import lower
-
-    results: list[PrecompileResult] = []
-    tasks: list[tuple[Program, KernelConfig]] = []
-    seen: set[str] = set()
-    for program, config in pairs:
-        try:
-            parse_operand_dtypes(program, [f"{n}={d}" for n, d in config.operand_dtypes])
-            config = config.resolved(program).check()
-            lower(program, config)  # cheap, and runs every check a compile would fail on
-        except UnsupportedError as exc:
-            results.append(PrecompileResult(program.name, config, "skipped", message=str(exc)))
-            continue
-        key = cache_key(program, config)
-        if key not in seen:
-            seen.add(key)
-            tasks.append((program, config))
-    if not tasks:
-        return results
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
-    context = multiprocessing.get_context("spawn")  # the DSL's compiler state does not survive fork
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        futures = {pool.submit(_compile_one, _plain(p), c): (p, c) for p, c in tasks}
-        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
-            program, config = futures[future]
-            try:
-                origin, seconds, path = future.result()
-                result = PrecompileResult(program.name, config, origin, seconds, path)
-            except Exception as exc:  # a compiler failure, or a worker that died: report it, go on
-                text = str(exc).strip()
-                first = text.splitlines()[0] if text else ""
-                result = PrecompileResult(program.name, config, "failed", message=f"{type(exc).__name__}: {first}")
-            results.append(result)
-            if progress:
-                progress(f"[{done}/{len(tasks)}] {result.line()}")
-    return results
 
 
 # ----------------------------------------------------------------------------- commands
@@ -434,7 +301,7 @@ def precompile_requests(args) -> list[tuple[Program, KernelConfig]]:
 
 def cmd_precompile(args) -> int:
     from . import library
-    from .cache import cache_dir
+    from .cache import cache_dir, precompile_pairs
 
     if args.all and args.names:
         raise ProgramError("give program names or --all, not both")
@@ -591,7 +458,5 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":  # python -m coda_cute.cli: run the imported module, so workers can find it
-    from coda_cute.cli import main as _main
-
-    sys.exit(_main())
+if __name__ == "__main__":  # python -m coda_cute.cli
+    sys.exit(main())

@@ -10,6 +10,7 @@ multiples of 8 (16-byte rows for TMA).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Iterable
 
 from .errors import UnsupportedError
 from .program import index_operands
@@ -181,3 +182,26 @@ def parse_pair(text: str, what: str) -> tuple[int, int]:
         return a, b
     except ValueError:
         raise UnsupportedError(f"{what} {text!r}: expected two integers like 128x256") from None
+
+
+def parse_operand_dtypes(program, items: Iterable[str] | None) -> tuple[tuple[str, str], ...]:
+    """``NAME=DTYPE`` flags -> ``KernelConfig.operand_dtypes``, checked against ``program``."""
+    tensors = [op.name for op in program.operands if op.kind != "scalar"]
+    found: dict[str, str] = {}
+    for item in items or ():
+        name, sep, dtype = item.partition("=")
+        name, dtype = name.strip(), dtype.strip()
+        if not sep or not name or not dtype:
+            raise UnsupportedError(f"--operand-dtype {item!r}: expected NAME=DTYPE, e.g. residual=f32")
+        if name not in tensors:
+            scalars = [op.name for op in program.operands if op.kind == "scalar"]
+            why = (f"{name!r} is a Scalar (always a runtime float)" if name in scalars
+                   else f"program {program.name!r} has no tensor operand {name!r}")
+            raise UnsupportedError(f"--operand-dtype {item}: {why}; its tensor operands are: "
+                                   f"{', '.join(tensors) or 'none'}")
+        if dtype not in OPERAND_DTYPES:
+            raise UnsupportedError(f"--operand-dtype {item}: dtype {dtype!r} is not one of {', '.join(OPERAND_DTYPES)}")
+        if name in found and found[name] != dtype:
+            raise UnsupportedError(f"--operand-dtype gives {name!r} two dtypes ({found[name]} and {dtype})")
+        found[name] = dtype
+    return tuple(found.items())
