@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 from .errors import UnsupportedError
-from .program import index_operands
+from .program import Program, index_operands
 
 #: Streaming multiprocessors per GPU model (the persistent grid is sized from it).
 GPUS = {"H100": 132, "H200": 132, "H800": 132, "H100-PCIe": 114, "H20": 78}
@@ -184,8 +184,9 @@ def parse_pair(text: str, what: str) -> tuple[int, int]:
         raise UnsupportedError(f"{what} {text!r}: expected two integers like 128x256") from None
 
 
-def parse_operand_dtypes(program, items: Iterable[str] | None) -> tuple[tuple[str, str], ...]:
-    """``NAME=DTYPE`` flags -> ``KernelConfig.operand_dtypes``, checked against ``program``."""
+def parse_operand_dtypes(program: Program, items: Iterable[str] | None) -> tuple[tuple[str, str], ...]:
+    """``NAME=DTYPE`` flags -> ``KernelConfig.operand_dtypes``, checked against ``program`` (the
+    CLI's ``--operand-dtype``; ``cache.precompile`` checks a config's operand dtypes with it too)."""
     tensors = [op.name for op in program.operands if op.kind != "scalar"]
     found: dict[str, str] = {}
     for item in items or ():
