@@ -56,6 +56,7 @@ from .config import KernelConfig, parse_operand_dtypes
 from .errors import UnsupportedError
 from .lower import lower
 from .program import Program
+from .render import program_reference
 
 ENV_DIR = "CODA_CUTE_CACHE_DIR"
 ENV_DISABLE = "CODA_CUTE_NO_DISK_CACHE"
@@ -427,8 +428,9 @@ class PrecompileResult:
 
 
 def _plain(program: Program) -> Program:
-    """A picklable copy (the @epilogue subclass keeps its Python function, which may not pickle)."""
-    return Program(program.name, program.operands, program.outputs, program.doc)
+    """A picklable copy (the @epilogue subclass keeps its Python function, which may not pickle)
+    that still names itself the same way in its kernel's header."""
+    return Program(program.name, program.operands, program.outputs, program.doc, origin=program_reference(program))
 
 
 def _compile_one(program: Program, config: KernelConfig) -> tuple[str, float, str | None]:

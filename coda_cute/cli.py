@@ -1,15 +1,19 @@
 """The ``coda-cute`` command: browse the library, emit and inspect kernels, manage the cache.
 
     coda-cute list [--names]                  library programs, one line each
-    coda-cute show NAME                       a program's operands, values and outputs
-    coda-cute emit NAME [config] [-o FILE] [--compile]
+    coda-cute show PROGRAM [--backward]       a program's operands, values and outputs
+    coda-cute emit PROGRAM [--backward] [config] [-o FILE] [--compile]
                                               the CuTe-DSL source of one kernel
-    coda-cute inspect NAME [config] [--source] [--ptx] [--sass] [--regs]
+    coda-cute inspect PROGRAM [--backward] [config] [--source] [--ptx] [--sass] [--regs]
                                               compile for the arch (no GPU needed) and show
                                               the source, PTX, SASS or ptxas' register report
     coda-cute cache ls | clear | path         the disk cache of compiled kernels
-    coda-cute precompile NAME... | --all [config...] [--jobs N]
+    coda-cute precompile PROGRAM... | --all [config...] [--jobs N]
                                               fill the disk cache ahead of time
+
+PROGRAM is a library name (``coda-cute list``), ``path/to/file.py:name`` or
+``package.module:name`` (a program defined at the top level of that file or module);
+``--backward`` takes the program derived from it (``coda_cute.derive``).
 
 Config flags (the ones every emitted kernel's header prints, so that line regenerates it):
 ``--arch sm_90a --gpu H200 --dtype bf16 --majors kk --tile 128x256 --cluster 2x1
@@ -41,6 +45,7 @@ from .runtime import runtime_defaults
 from .version import __version__
 
 PROG = "coda-cute"
+PROGRAM_HELP = "a library program (see `coda-cute list`), path/to/file.py:name or package.module:name"
 
 
 # ----------------------------------------------------------------------------- config flags
@@ -109,10 +114,27 @@ def cmd_list(args) -> int:
     return 0
 
 
-def cmd_show(args) -> int:
-    from . import library
+def _program(args) -> tuple[Program, str]:
+    """The program the command line names, and how to name it again (the emitted header's
+    command): ``args.name`` resolved (``library.resolve``), or with ``--backward`` its derived
+    backward program."""
+    from .library import resolve
 
-    _out(library.get(args.name).describe())
+    program = resolve(args.name)
+    if not getattr(args, "backward", False):
+        return program, args.name
+    from .derive import derive
+
+    return derive(program).backward, f"--backward {args.name}"
+
+
+def cmd_show(args) -> int:
+    program, _ = _program(args)
+    if args.backward:
+        from .derive import derive
+
+        _out(derive(program.derived_from).describe())
+    _out(program.describe())
     return 0
 
 
@@ -153,12 +175,11 @@ def _raster_along_m(raster: str) -> bool:
 
 
 def cmd_emit(args) -> int:
-    from . import library
     from .render import emit
 
-    program = library.get(args.name)
+    program, reference = _program(args)
     config = _config(program, args)
-    source = emit(program, config)
+    source = emit(program, config, reference=reference)
     if args.output:
         path = Path(args.output)
         try:
@@ -191,13 +212,12 @@ def ptxas_lines(report: str) -> list[str]:
 
 
 def cmd_inspect(args) -> int:
-    from . import library
     from .compile import compile_source
     from .render import emit
 
-    program = library.get(args.name)
+    program, reference = _program(args)
     config = _config(program, args)
-    source = emit(program, config)
+    source = emit(program, config, reference=reference)
     wanted = [w for w in ("source", "ptx", "sass", "regs") if getattr(args, w)] or ["regs"]
     keep = tuple(w for w in ("ptx", "sass") if w in wanted)
     if args.dump_dir:
@@ -260,7 +280,7 @@ def precompile_requests(args) -> list[tuple[Program, KernelConfig]]:
     """The (program, config) pairs a `coda-cute precompile` command line asks for."""
     from . import library
 
-    programs = list(library.programs().values()) if args.all else [library.get(n) for n in args.names]
+    programs = list(library.programs().values()) if args.all else [library.resolve(n) for n in args.names]
     tiles = [parse_tile(t) for t in args.tile] if args.tile else [None]
     clusters = [parse_cluster(c) for c in args.cluster] if args.cluster else [None]
     schedules = args.schedule or [None]
@@ -395,11 +415,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_list)
 
     p = sub.add_parser("show", help="a program's operands, values and outputs")
-    p.add_argument("name", metavar="NAME", help="library program (see `coda-cute list`)")
+    p.add_argument("name", metavar="PROGRAM", help=PROGRAM_HELP)
+    p.add_argument("--backward", action="store_true", help="the program's derived backward (coda_cute.derive)")
     p.set_defaults(run=cmd_show)
 
     p = sub.add_parser("emit", help="print or write the CuTe-DSL source of a kernel")
-    p.add_argument("name", metavar="NAME", help="library program (see `coda-cute list`)")
+    p.add_argument("name", metavar="PROGRAM", help=PROGRAM_HELP)
+    p.add_argument("--backward", action="store_true", help="the program's derived backward (coda_cute.derive)")
     _add_config_flags(p)
     p.add_argument("-o", "--output", metavar="FILE", help="write the source to FILE instead of stdout")
     p.add_argument("--compile", action="store_true",
@@ -409,7 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="compile a kernel for --arch (no GPU needed) and show what came out",
                        description="Compile a kernel for --arch without a GPU and print the requested parts "
                                    "(default: --regs).")
-    p.add_argument("name", metavar="NAME", help="library program (see `coda-cute list`)")
+    p.add_argument("name", metavar="PROGRAM", help=PROGRAM_HELP)
+    p.add_argument("--backward", action="store_true", help="the program's derived backward (coda_cute.derive)")
     _add_config_flags(p)
     p.add_argument("--source", action="store_true", help="the emitted CuTe-DSL source")
     p.add_argument("--ptx", action="store_true", help="the PTX")
@@ -426,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("precompile", help="compile kernels into the disk cache ahead of time",
                        description="Compile every program x configuration into the disk cache, in parallel "
                                    "worker processes, so later runs load instead of compiling.")
-    p.add_argument("names", nargs="*", metavar="NAME", help="library programs (or --all)")
+    p.add_argument("names", nargs="*", metavar="PROGRAM", help=PROGRAM_HELP + " (or --all)")
     p.add_argument("--all", action="store_true", help="every library program (those a config cannot build are skipped)")
     _add_config_flags(p, several=True)
     p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",

@@ -210,15 +210,17 @@ def derive(program: Program, *, wrt: Iterable[str] | None = None, outputs: Itera
     or ``"recompute"``; ``grad_of``: with ``"upstream"``, the tile output whose gradient is the
     accumulator (default: the first tile output in ``outputs``); ``save_dtype``: the saved
     pre-activation's storage dtype.  Raises ProgramError naming what cannot be derived."""
-    return _Deriver(program, wrt, outputs, accumulator, grad_of, save_dtype, name).run()
+    plain = (wrt, outputs, accumulator, grad_of, save_dtype, name) == (None, None, None, None, "in", None)
+    return _Deriver(program, wrt, outputs, accumulator, grad_of, save_dtype, name, plain).run()
 
 
 class _Deriver:
-    def __init__(self, program, wrt, outputs, accumulator, grad_of, save_dtype, name):
+    def __init__(self, program, wrt, outputs, accumulator, grad_of, save_dtype, name, plain):
+        self.plain = plain  # derive(program) with every default: what `coda-cute emit --backward` runs
         if not isinstance(program, Program):
             raise ProgramError(f"derive() takes a Program, got {type(program).__name__}")
         self.p = program
-        self.name = ir.check_name(name or f"{program.name}_bwd", "program")
+        self.name = ir.check_name(name or f"{program.name}_backward", "program")
         out_names = [o.name for o in program.outputs]
         self.outputs = self._upstream_outputs(outputs)
         if not self.outputs:
@@ -398,7 +400,7 @@ class _Deriver:
         operands = [op for name, op in self.operands.items() if name in declared]
         doc = (f"Backward of {p.name} (derived): accumulator = "
                + (f"the gradient of {self.grad_of}." if self.accumulator == "upstream" else "the forward's GEMM again."))
-        backward = Program(self.name, operands, outputs, doc=doc)
+        backward = Program(self.name, operands, outputs, doc=doc, derived_from=p if self.plain else None)
         forward = p
         if self.preact in declared and self.saved:
             saved_outputs.append(self.saved)

@@ -269,26 +269,45 @@ Table = OperandKind("table", Fraction(1), "Table")
 
 
 # ---------------------------------------------------------------- the decorator
+#: module names under which ``library.resolve`` runs a user's file (not importable by that name)
+FILE_MODULE_PREFIX = "coda_cute_file_"
+
+
 class EpilogueFunction(ir.Program):
     """A Program traced from a Python function; keeps the function to re-trace variants."""
 
-    def __init__(self, fn: typing.Callable, constants: dict, name: str, operands, outputs):
+    def __init__(self, fn: typing.Callable, constants: dict, name: str, operands, outputs, origin: str | None):
         self.fn, self.constants = fn, dict(constants)
-        super().__init__(name, operands, outputs, doc=inspect.getdoc(fn) or "")
+        super().__init__(name, operands, outputs, doc=inspect.getdoc(fn) or "", origin=origin)
 
     def with_constants(self, **values) -> "EpilogueFunction":
         """A variant of this program with some compile-time constants changed."""
-        return _trace(self.fn, self.name, {**self.constants, **values})
+        return _trace(self.fn, self.name, {**self.constants, **values}, origin=None)
 
 
 def epilogue(fn=None, *, name: str | None = None, **constants):
     """Trace ``fn(acc, operand: Kind, ..., *, const=default)`` into a validated Program."""
     if fn is None:
         return lambda f: epilogue(f, name=name, **constants)
-    return _trace(fn, fn.__name__ if name is None else name, constants)
+    return _trace(fn, fn.__name__ if name is None else name, constants, origin=_origin(fn))
 
 
-def _trace(fn, name: str, overrides: dict) -> EpilogueFunction:
+def _origin(fn) -> str | None:
+    """Where the program traced from ``fn`` is found again (``library.resolve``): ``module:name``,
+    or ``file.py:name`` for a script or a file the command line ran; None inside a function."""
+    qualname, module = getattr(fn, "__qualname__", ""), getattr(fn, "__module__", None)
+    if not qualname or "<" in qualname or not module:
+        return None
+    if module == "__main__" or module.startswith(FILE_MODULE_PREFIX):
+        try:
+            path = inspect.getsourcefile(fn)
+        except TypeError:
+            return None
+        return f"{path}:{qualname}" if path else None
+    return f"{module}:{qualname}"
+
+
+def _trace(fn, name: str, overrides: dict, origin: str | None) -> EpilogueFunction:
     sig = inspect.signature(fn)
     try:
         hints = typing.get_type_hints(fn)
@@ -326,7 +345,7 @@ def _trace(fn, name: str, overrides: dict) -> EpilogueFunction:
     result, local_names = _call_recording_locals(fn, args, consts)
     outputs = _collect_outputs(name, result)
     _name_values(local_names, [o.node for o in outputs])
-    return EpilogueFunction(fn, consts, name, operands, outputs)
+    return EpilogueFunction(fn, consts, name, operands, outputs, origin)
 
 
 def _collect_outputs(name: str, result) -> list[ir.Output]:

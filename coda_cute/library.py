@@ -1,4 +1,6 @@
-"""The ready programs in ``epilogues/`` and the shipped ``templates/``.
+"""The ready programs in ``epilogues/``, the shipped ``templates/``, and finding a program by
+the reference a user types (``resolve``: a library name, ``path/to/file.py:name`` or
+``package.module:name``).
 
 Both folders sit at the top of the checkout and ship in the wheel as
 ``coda_cute.epilogues`` / ``coda_cute.templates``; ``resource_dir`` finds them either way
@@ -7,12 +9,15 @@ Both folders sit at the top of the checkout and ship in the wheel as
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import importlib.util
 import sys
 from functools import lru_cache
 from pathlib import Path
 
 from .errors import ProgramError
+from .frontend import FILE_MODULE_PREFIX
 from .program import Program
 
 
@@ -59,4 +64,57 @@ def _load(path: Path):
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
+    return module
+
+
+def resolve(reference: str) -> Program:
+    """The program ``reference`` names: a library program (``swiglu``), a module-level program
+    in a Python file (``path/to/file.py:name``) or in an importable module
+    (``package.module:name``).  A file is run as a module, as ``python file.py`` would run it.
+    Raises ProgramError naming what is missing or what the name holds instead."""
+    if not isinstance(reference, str) or not reference:
+        raise ProgramError(f"program reference {reference!r}: expected a library name, FILE.py:NAME or MODULE:NAME")
+    if ":" not in reference:
+        return get(reference)
+    where, _, attribute = reference.rpartition(":")
+    if not where or not attribute:
+        raise ProgramError(f"program reference {reference!r}: expected FILE.py:NAME or MODULE:NAME")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        module = _load_file(Path(where), reference)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise ProgramError(f"program reference {reference!r}: cannot import module {where!r} ({exc})") from None
+    value = module
+    for part in attribute.split("."):
+        if not hasattr(value, part):
+            found = sorted(k for k, v in vars(module).items() if isinstance(v, Program))
+            raise ProgramError(f"program reference {reference!r}: {where} has no {attribute!r}; its programs: "
+                               f"{', '.join(found) or 'none'}")
+        value = getattr(value, part)
+    if not isinstance(value, Program):
+        raise ProgramError(f"program reference {reference!r}: {attribute!r} holds a {type(value).__name__}, not "
+                           "a program (define it with @coda_cute.epilogue)")
+    return value
+
+
+def _load_file(path: Path, reference: str):
+    if not path.is_file():
+        raise ProgramError(f"program reference {reference!r}: no file {str(path)!r}")
+    path = path.resolve()
+    name = FILE_MODULE_PREFIX + hashlib.sha256(str(path).encode()).hexdigest()[:16]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        if isinstance(exc, ProgramError):
+            raise
+        raise ProgramError(f"program reference {reference!r}: running {path} failed: "
+                           f"{type(exc).__name__}: {exc}") from exc
     return module

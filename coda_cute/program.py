@@ -321,13 +321,20 @@ class Output:
 class Program:
     """A validated epilogue program.  Build one with ``@coda_cute.epilogue``."""
 
-    def __init__(self, name: str, operands: list[Operand], outputs: list[Output], doc: str = ""):
+    def __init__(self, name: str, operands: list[Operand], outputs: list[Output], doc: str = "", *,
+                 origin: str | None = None, derived_from: "Program | None" = None):
         self.name = check_name(name, "program")
         if not isinstance(doc, str):
             raise ProgramError(f"program {name!r}: its docstring must be a str, got {type(doc).__name__}")
+        if origin is not None and not isinstance(origin, str) or not isinstance(derived_from, (Program, type(None))):
+            raise ProgramError(f"program {name!r}: origin must be a str and derived_from a Program")
         self.operands = tuple(operands)
         self.outputs = tuple(outputs)
         self.doc = doc
+        # where the program came from, for the command that regenerates its kernel (render.py);
+        # neither is part of the fingerprint: the same program found two ways is one kernel
+        self.origin = origin  # "module:name" or "file.py:name" of the function it was traced from
+        self.derived_from = derived_from  # the forward program of a derived backward (derive.py)
         self.validate()
         self.nodes = self._toposort()
         self.fingerprint = hashlib.sha256(self.canonical().encode()).hexdigest()

@@ -7,6 +7,7 @@ from functools import lru_cache
 import jinja2
 
 from .config import KernelConfig
+from . import library
 from .library import resource_dir
 from .lower import TABLE_SLOT, Context, lower
 from .program import Program
@@ -32,9 +33,27 @@ def template_source(arch: str) -> str:
     return (resource_dir("templates") / TEMPLATES[arch]).read_text()
 
 
-def emit_command(program: Program, config: KernelConfig) -> str:
-    """The CLI line that regenerates this kernel (printed in its header)."""
-    parts = [f"coda-cute emit {program.name} --arch {config.arch} --gpu {config.gpu} --dtype {config.dtype}",
+def program_reference(program: Program) -> str | None:
+    """What ``coda-cute emit`` takes to find ``program`` again: its library name, the
+    ``--backward`` of a program it was derived from, or where its function was defined
+    (``module:name``, ``file.py:name``); None for a program built in Python in some other way
+    (a variant, a function defined inside another)."""
+    if library.programs().get(program.name) is program:
+        return program.name
+    if program.derived_from is not None:
+        forward = program_reference(program.derived_from)
+        return None if forward is None else f"--backward {forward}"
+    return program.origin
+
+
+def emit_command(program: Program, config: KernelConfig, reference: str | None = None) -> str:
+    """The CLI line that regenerates this kernel (printed in its header).  ``reference``: how the
+    command names the program (default ``program_reference``)."""
+    reference = reference or program_reference(program)
+    if reference is None:
+        return ("coda_cute.render.emit(program, config)  (the program was built in Python where no command "
+                "can name it: define it at a module's top level to get a command here)")
+    parts = [f"coda-cute emit {reference} --arch {config.arch} --gpu {config.gpu} --dtype {config.dtype}",
              f"--majors {config.majors} --tile {config.tile[0]}x{config.tile[1]}",
              f"--cluster {config.cluster[0]}x{config.cluster[1]} --schedule {config.schedule} --swizzle {config.swizzle}"]
     parts += [f"--operand-dtype {name}={dtype}" for name, dtype in config.operand_dtypes if dtype != config.dtype]
@@ -56,7 +75,7 @@ def docstring_text(line: str) -> str:
     return escaped.replace('"""', '\\"\\"\\"')
 
 
-def render(ctx: Context, config: KernelConfig | None = None) -> str:
+def render(ctx: Context, config: KernelConfig | None = None, *, reference: str | None = None) -> str:
     """The module's source.  Every text from the user reaches it through here: the program is
     validated again (names and hints are identifiers, constants numbers) and its listing, which
     quotes the docstring, is escaped for the module docstring."""
@@ -65,7 +84,7 @@ def render(ctx: Context, config: KernelConfig | None = None) -> str:
     template = environment().get_template(TEMPLATES[config.arch])
     return template.render(
         version=__version__,
-        command=emit_command(ctx.program, config),
+        command=emit_command(ctx.program, config, reference),
         program_listing=[docstring_text(line) for line in ctx.program.describe().splitlines()],
         fast_tiles=ctx.fast_tiles,
         inputs_in_registers=ctx.inputs_in_registers,
@@ -76,7 +95,8 @@ def render(ctx: Context, config: KernelConfig | None = None) -> str:
     )
 
 
-def emit(program: Program, config: KernelConfig | None = None) -> str:
-    """The CuTe-DSL source of ``program`` under ``config``: one readable, standalone module."""
+def emit(program: Program, config: KernelConfig | None = None, *, reference: str | None = None) -> str:
+    """The CuTe-DSL source of ``program`` under ``config``: one readable, standalone module.
+    ``reference``: how its header's regenerate command names the program (see ``emit_command``)."""
     config = config or KernelConfig()
-    return render(lower(program, config))
+    return render(lower(program, config), reference=reference)

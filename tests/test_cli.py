@@ -152,6 +152,89 @@ def test_emit_compile_cross_compiles_without_a_gpu(capsys, tmp_path):
     assert re.search(r"^compiled gemm for sm_90a in \d+\.\d\d s$", err, re.M), err
 
 
+# ----------------------------------------------------------------------------- your own programs
+USER_PROGRAM = """
+import coda_cute as cc
+
+
+@cc.epilogue
+def soft_cap(acc, bias: cc.ColVec, *, cap=30.0):
+    \"\"\"cap * tanh((acc + bias) / cap)\"\"\"
+    return cap * cc.tanh((acc + bias) / cap)
+
+
+not_a_program = 3
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """The same program in a file and in an importable module (``my_epilogues``)."""
+    (tmp_path / "my_epilogues.py").write_text(USER_PROGRAM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path / "my_epilogues.py"
+    sys.modules.pop("my_epilogues", None)
+
+
+@pytest.mark.parametrize("how", ["file", "module"])
+def test_user_programs_emit_show_and_regenerate_byte_for_byte(capsys, user_module, how):
+    reference = f"{user_module}:soft_cap" if how == "file" else "my_epilogues:soft_cap"
+    code, out, err = cli(capsys, "show", reference)
+    assert code == 0 and "program soft_cap" in out and "bias: col" in out
+    code, out, err = cli(capsys, "emit", reference, "--tile", "128x128")
+    assert code == 0, err
+    argv = header_command(out)
+    assert argv[:3] == ["coda-cute", "emit", reference]
+    code, again, _ = cli(capsys, *argv[1:])
+    assert code == 0 and again == out, "the header's command must regenerate the same kernel"
+
+
+def test_api_emitted_header_names_where_the_program_lives(capsys, user_module):
+    """render.emit of a program defined in a module prints the command that finds it again."""
+    import importlib
+
+    program = importlib.import_module("my_epilogues").soft_cap
+    source = emit(program, KernelConfig(tile=(128, 128), cluster=(1, 2)))
+    argv = header_command(source)
+    assert argv[2] == "my_epilogues:soft_cap"
+    code, again, _ = cli(capsys, *argv[1:])
+    assert code == 0 and again == source
+    variant = program.with_constants(cap=5.0)  # no name reaches it: the header says how to get it
+    assert "coda_cute.render.emit(program, config)" in emit(variant, KernelConfig())
+
+
+def test_backward_show_emit_inspect(capsys, user_module):
+    code, out, _ = cli(capsys, "show", "--backward", "swiglu")
+    assert code == 0 and "derivative of swiglu" in out and "program swiglu_backward" in out
+    assert "preact: tile (M, 2N)" in out
+    for reference in ("swiglu", f"{user_module}:soft_cap"):
+        code, out, err = cli(capsys, "emit", "--backward", reference)
+        assert code == 0, err
+        argv = header_command(out)
+        assert argv[:4] == ["coda-cute", "emit", "--backward", reference]
+        code, again, _ = cli(capsys, *argv[1:])
+        assert code == 0 and again == out
+
+
+@pytest.mark.parametrize("suffix, expected", [
+    (":nope", "has no 'nope'; its programs: soft_cap"),
+    (":not_a_program", "'not_a_program' holds a int, not a program"),
+])
+def test_user_program_errors(capsys, user_module, suffix, expected):
+    code, _, err = cli(capsys, "emit", f"{user_module}{suffix}")
+    assert code == 2 and expected in err
+    code, _, err = cli(capsys, "show", str(user_module.parent / "missing.py") + ":x")
+    assert code == 2 and "no file" in err
+    code, _, err = cli(capsys, "emit", "no_such_module_here:x")
+    assert code == 2 and "cannot import module 'no_such_module_here'" in err
+
+
+def test_precompile_takes_user_programs(capsys, cache_dir, user_module):
+    [(program, config)] = precompile_requests(build_parser().parse_args(
+        ["precompile", f"{user_module}:soft_cap", "--tile", "128x128"]))
+    assert program.name == "soft_cap" and config.tile == (128, 128)
+
+
 # ----------------------------------------------------------------------------- inspect
 @pytest.mark.compile
 def test_inspect_shows_sass_and_register_report(capsys, tmp_path):
