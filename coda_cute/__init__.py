@@ -2,6 +2,7 @@
 
 Layers, in the order a program flows through them (one module each):
 
+- ``primitives`` the language's elementwise ops and operand kinds, one definition each;
 - ``frontend``   the user's contract: ``@epilogue`` functions of named operands;
 - ``program``    the validated program (a typed DAG) and its fingerprint;
 - ``arguments``  checks of runtime tensors against a program (shared by every consumer);
@@ -18,12 +19,7 @@ Layers, in the order a program flows through them (one module each):
 __version__ = "0.1.0"
 
 from .errors import ArgumentError, CodaError, ProgramError, UnsupportedError
-from .frontend import (
-    ColVec, Expr, Reduction, RowVec, Scalar, Table, Tile, bf16, clamp, col_logsumexp, col_max,
-    col_maxabs, col_sum, col_sumsq, epilogue, exp, f16, f32, gelu, gelu_tanh, input_dtype, interleave, log,
-    maximum, minimum, pairs, reduce, relu, row_logsumexp, row_max, row_maxabs, row_sum, row_sumsq,
-    rsqrt, sigmoid, silu, sqrt, square, tanh, where,
-)
+from .frontend import *  # noqa: F403 - the language: its __all__ (operators, annotations, functions)
 from .program import Program
 from .reference import evaluate
 from .runtime import Kernel, run

@@ -27,6 +27,7 @@ from fractions import Fraction
 
 from .config import SMEM_BYTES, KernelConfig
 from .errors import UnsupportedError
+from .primitives import ELEMENTWISE
 from .program import Node, Program, reads_as_index, width_str
 
 HALF, ONE, TWO = Fraction(1, 2), Fraction(1), Fraction(2)
@@ -41,42 +42,6 @@ AB_STAGES_WANTED = 4  # mainloop stages that keep the tensor cores fed (fewer st
 TILE_INPUT_AB_STAGES = 3
 NUM_LANES = {None: 1, HALF: 1, ONE: 2, TWO: 4}
 _IDENTITY = {"sum": "0.0", "sumsq": "0.0", "max": '-float("inf")', "maxabs": "0.0"}
-
-# How each elementwise op is written in CuTe DSL, on lane values (names or literals).
-ELEMENTWISE_CODE = {
-    "add": "{0} + {1}",
-    "sub": "{0} - {1}",
-    "mul": "{0} * {1}",
-    "div": "{0} / {1}",
-    "floordiv": "({0} - ((({0} % {1}) + {1}) % {1})) // {1}",  # floor semantics, as in Python
-    "mod": "(({0} % {1}) + {1}) % {1}",
-    "minimum": "cute.math.min({0}, {1})",
-    "maximum": "cute.math.max({0}, {1})",
-    "neg": "-{0}",
-    "abs": "cute.math.abs({0})",
-    "square": "{0} * {0}",
-    "exp": "cute.math.exp({0}, fastmath=True)",
-    "log": "cute.math.log({0}, fastmath=True)",
-    "sqrt": "cute.math.sqrt({0})",
-    "rsqrt": "cute.math.rsqrt({0})",
-    "tanh": "cute.math.tanh({0})",
-    "sigmoid": "sigmoid({0})",
-    "relu": "cute.math.max({0}, 0.0)",
-    "gelu": "0.5 * {0} * (1.0 + cute.math.erf({0} * 0.7071067811865476))",
-    "gelu_tanh": "0.5 * {0} * (1.0 + cute.math.tanh(0.7978845608028654 * ({0} + 0.044715 * {0} * {0} * {0})))",
-    "silu": "{0} * sigmoid({0})",
-    "lt": "{0} < {1}",
-    "le": "{0} <= {1}",
-    "gt": "{0} > {1}",
-    "ge": "{0} >= {1}",
-    "eq": "{0} == {1}",
-    "ne": "{0} != {1}",
-    "and_": "{0} & {1}",
-    "or_": "{0} | {1}",
-    "not_": "~{0}",
-    "where": "{t}(cutlass.select_({0}, {1}, {2}))",
-}
-
 
 @dataclass
 class Context:
@@ -707,13 +672,12 @@ class _Body:
 
 
     def elementwise(self, node: Node, args: list[list[str]]) -> list[str]:
-        code = ELEMENTWISE_CODE[node.op]
-        if node.op in ("sigmoid", "silu"):
-            self.ctx.helpers.add("sigmoid")
+        code = ELEMENTWISE[node.op].cute
+        self.ctx.helpers.update(ELEMENTWISE[node.op].helpers)
         # an int32 operand compared with a coordinate is read as an integer (program.reads_as_index)
         dtypes = ["i32" if self._index_operand(node, a) else a.dtype for a in node.args]
         args = [self.load(a, as_index=True) if self._index_operand(node, a) else lanes for a, lanes in zip(node.args, args)]
-        floating = node.dtype == "f32" or node.op == "div" or "f32" in dtypes
+        floating = node.dtype == "f32" or "f32" in dtypes
         kind = "cutlass.Int32" if node.dtype == "i32" else "cutlass.Float32"
         out = []
         for k in range(NUM_LANES[node.width]):
@@ -909,10 +873,6 @@ def _refers_to(lines: list[str], name: str) -> bool:
     return any(re.search(rf"\b{name}\b", line.split("#", 1)[0]) for line in lines)
 
 
-#: elementwise ops that give exactly 0 (+0 or -0) when every argument is 0
-_ZERO_KEEPING = {"add", "sub", "mul", "neg", "abs", "square", "relu", "minimum", "maximum"}
-
-
 def _zero_past_n(program: Program, node: Node) -> bool:
     """Whether `node` is exactly 0 in a ragged tile's padding columns past N, so that a row sum
     needs no `col < N` mask there.  TMA fills B's rows past N with zeros, so the accumulator is 0
@@ -927,7 +887,7 @@ def _zero_past_n(program: Program, node: Node) -> bool:
     if node.op == "load":
         operand = program.operand(node.attrs[0])
         return operand.kind in ("tile", "col") and operand.width == ONE
-    if node.op == "cast" or node.op in _ZERO_KEEPING:
+    if node.op == "cast" or (node.op in ELEMENTWISE and ELEMENTWISE[node.op].keeps_zero):
         return all(_zero_past_n(program, arg) for arg in node.args)
     return False
 

@@ -11,7 +11,7 @@ Every node carries three static facts, checked when the node is built:
   per column pair of the accumulator), ``1`` (per accumulator column) or ``2`` (two values
   per accumulator column), or ``None`` for values that are the same along a row (scalars,
   per-row vectors, the row index);
-- ``op`` and ``attrs``: what it computes (see ``ELEMENTWISE`` for the elementwise ops).
+- ``op`` and ``attrs``: what it computes (``primitives.ELEMENTWISE`` defines the elementwise ops).
 
 Outputs are either tiles (stored with their own dtype) or reductions (per-tile partials,
 finished after the kernel).  ``Program`` owns validation of the whole graph and its
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from .errors import ProgramError
+from .primitives import COMPARISONS, ELEMENTWISE
 
 #: Bumped whenever the meaning of a serialized program changes.
 IR_VERSION = 1
@@ -89,60 +90,6 @@ def check_name(name: object, what: str) -> str:
     return name
 
 
-# --------------------------------------------------------------------------- elementwise ops
-@dataclass(frozen=True)
-class OpInfo:
-    """Static description of one elementwise op: its arity and how its result type is formed.
-
-    ``kind``: 'arith' (int stays int, else f32), 'float' (always f32), 'int' (ints only),
-    'compare' (numbers -> bool), 'logic' (bools -> bool), 'select' (where).
-    """
-
-    name: str
-    arity: int
-    kind: str
-    symbol: str = ""  # infix spelling for listings, e.g. '+'
-
-
-ELEMENTWISE: dict[str, OpInfo] = {
-    op.name: op
-    for op in [
-        OpInfo("add", 2, "arith", "+"),
-        OpInfo("sub", 2, "arith", "-"),
-        OpInfo("mul", 2, "arith", "*"),
-        OpInfo("div", 2, "float", "/"),
-        OpInfo("floordiv", 2, "int", "//"),
-        OpInfo("mod", 2, "int", "%"),
-        OpInfo("minimum", 2, "arith"),
-        OpInfo("maximum", 2, "arith"),
-        OpInfo("neg", 1, "arith"),
-        OpInfo("abs", 1, "arith"),
-        OpInfo("square", 1, "arith"),
-        OpInfo("exp", 1, "float"),
-        OpInfo("log", 1, "float"),
-        OpInfo("sqrt", 1, "float"),
-        OpInfo("rsqrt", 1, "float"),
-        OpInfo("tanh", 1, "float"),
-        OpInfo("sigmoid", 1, "float"),
-        OpInfo("relu", 1, "float"),
-        OpInfo("gelu", 1, "float"),
-        OpInfo("gelu_tanh", 1, "float"),
-        OpInfo("silu", 1, "float"),
-        OpInfo("lt", 2, "compare", "<"),
-        OpInfo("le", 2, "compare", "<="),
-        OpInfo("gt", 2, "compare", ">"),
-        OpInfo("ge", 2, "compare", ">="),
-        OpInfo("eq", 2, "compare", "=="),
-        OpInfo("ne", 2, "compare", "!="),
-        OpInfo("and_", 2, "logic", "&"),
-        OpInfo("or_", 2, "logic", "|"),
-        OpInfo("not_", 1, "logic"),
-        OpInfo("where", 3, "select"),
-    ]
-}
-
-COMPARISONS = tuple(name for name, op in ELEMENTWISE.items() if op.kind == "compare")
-
 #: Reductions a program may ask for; each has an identity for padding partial tiles.
 REDUCTIONS = ("sum", "sumsq", "max", "maxabs", "logsumexp")
 REDUCE_AXES = ("row", "col")
@@ -198,8 +145,8 @@ def _render(node: Node, depth: int) -> str:
     if op == "segreduce":
         return f"row_{node.attrs[0]}({a[0]}, segment={node.attrs[1]})"
     info = ELEMENTWISE[op]
-    if info.symbol and len(a) == 2:
-        return f"({a[0]} {info.symbol} {a[1]})"
+    if info.operator and len(a) == 2:
+        return f"({a[0]} {info.operator} {a[1]})"
     return f"{op.rstrip('_')}({', '.join(a)})"
 
 
@@ -229,19 +176,19 @@ def make_elementwise(op: str, args: list[Node]) -> Node:
         raise ProgramError(f"{op} takes {info.arity} argument(s), got {len(args)}")
     what = f"{op}({', '.join(a.describe() for a in args)})"
     width = join_widths(args, what)
-    if info.kind == "arith":
+    if info.typing == "arith":
         dtype = _promote(args, what)
-    elif info.kind == "float":
+    elif info.typing == "float":
         _promote(args, what)
         dtype = "f32"
-    elif info.kind == "int":
+    elif info.typing == "int":
         if any(a.dtype != "i32" for a in args):
-            raise ProgramError(f"{what}: '{info.symbol}' is defined on integers (coordinates) only")
+            raise ProgramError(f"{what}: '{info.operator}' is defined on integers (coordinates) only")
         dtype = "i32"
-    elif info.kind == "compare":
+    elif info.typing == "compare":
         _promote(args, what)
         dtype = "bool"
-    elif info.kind == "logic":
+    elif info.typing == "logic":
         if any(a.dtype != "bool" for a in args):
             raise ProgramError(f"{what}: logical ops take comparison results (bool)")
         dtype = "bool"
