@@ -33,7 +33,7 @@ from fractions import Fraction
 
 from . import program as ir
 from .errors import ProgramError
-from .primitives import ELEMENTWISE, ElementwiseOp
+from .primitives import ELEMENTWISE, OPERAND_KINDS, ElementwiseOp, annotations_text
 
 # storage dtypes, spelled like torch's; input_dtype = whatever the GEMM inputs are (bf16 or f16)
 f32, bf16, f16, input_dtype = "f32", "bf16", "f16", "in"
@@ -248,26 +248,25 @@ def reduce(x, kind: str, axis: str, segment=None):
 
 
 # ---------------------------------------------------------------- operand annotations
-class OperandKind:
+class OperandAnnotation:
     """Annotation for an epilogue parameter; subscript with a width: ``cc.Tile["2N"]``."""
 
     def __init__(self, kind: str, width: Fraction | None, label: str):
         self.kind, self.width, self.label = kind, width, label
 
-    def __getitem__(self, width: str) -> "OperandKind":
+    def __getitem__(self, width: str) -> "OperandAnnotation":
         if self.width is None:
             raise ProgramError(f"{self.label} has no width to choose")
-        return OperandKind(self.kind, ir.parse_width(width), f"{self.label}[{width!r}]")
+        return OperandAnnotation(self.kind, ir.parse_width(width), f"{self.label}[{width!r}]")
 
     def __repr__(self) -> str:
         return f"coda_cute.{self.label}"
 
 
-RowVec = OperandKind("row", None, "RowVec")
-ColVec = OperandKind("col", Fraction(1), "ColVec")
-Tile = OperandKind("tile", Fraction(1), "Tile")
-Scalar = OperandKind("scalar", None, "Scalar")
-Table = OperandKind("table", Fraction(1), "Table")
+# cc.RowVec, cc.ColVec ...: one annotation per operand kind
+_ANNOTATIONS = [kind.annotation for kind in OPERAND_KINDS.values()]
+globals().update({kind.annotation: OperandAnnotation(kind.name, kind.width, kind.annotation)
+                  for kind in OPERAND_KINDS.values()})
 
 
 # ---------------------------------------------------------------- the decorator
@@ -309,10 +308,10 @@ def _trace(fn, name: str, overrides: dict) -> EpilogueFunction:
         if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             raise ProgramError(f"program {name!r}: *args/**kwargs are not supported (parameter {p.name!r})")
         kind = hints.get(p.name)
-        if not isinstance(kind, OperandKind):
+        if not isinstance(kind, OperandAnnotation):
             raise ProgramError(
                 f"program {name!r}: parameter {p.name!r} needs an operand annotation "
-                "(cc.RowVec, cc.ColVec, cc.Tile, cc.Scalar or cc.Table), got "
+                f"({annotations_text()}), got "
                 f"{'none' if kind is None else repr(kind)}"
             )
         ir.check_name(p.name, "operand")
@@ -401,7 +400,7 @@ def _name_values(local_names: dict, roots: list) -> None:
 
 
 __all__ = [
-    "Expr", "Reduction", "RowVec", "ColVec", "Tile", "Scalar", "Table", "epilogue", "f32", "bf16", "f16", "input_dtype",
-    *_FUNCTIONS, "clamp", "pairs", "interleave", "reduce", "row_sum", "row_sumsq", "row_max", "row_maxabs",
-    "row_logsumexp", "col_sum", "col_sumsq", "col_max", "col_maxabs", "col_logsumexp",
+    "Expr", "Reduction", *_ANNOTATIONS, "epilogue", "f32", "bf16", "f16", "input_dtype", *_FUNCTIONS, "clamp",
+    "pairs", "interleave", "reduce", "row_sum", "row_sumsq", "row_max", "row_maxabs", "row_logsumexp",
+    "col_sum", "col_sumsq", "col_max", "col_maxabs", "col_logsumexp",
 ]

@@ -1,20 +1,38 @@
-"""The language's primitives, one definition each: the elementwise ops.
+"""The language's primitives, one definition each: elementwise ops and operand kinds.
 
-Every consumer of a program reads this table instead of keeping its own: the frontend
-(the ``cc.<op>`` functions), the program's typing and listing, the reference interpreter
-and the lowering.  Adding an elementwise op is one ``ElementwiseOp`` entry here (plus its
-test and its line in the README).
+Every consumer of a program reads these tables instead of keeping its own: the frontend
+(the ``cc.<op>`` functions and the operand annotations), the program's validation and
+listing, argument binding, the reference interpreter, fake-argument compilation and the
+lowering.  Adding an elementwise op is one ``ElementwiseOp`` entry here (plus its test and
+its line in the README).
 
-This module sits at the bottom of the package: it imports nothing from it.
+This module sits at the bottom of the package: it imports nothing from it but the errors.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from .errors import ArgumentError
+
+# --------------------------------------------------------------------------- column spaces
+#: Column spaces a value may live in, as multiples of N: one value per column pair of the
+#: accumulator, per accumulator column, or two per accumulator column.
+WIDTHS = (Fraction(1, 2), Fraction(1), Fraction(2))
+
+
+def width_str(width: Fraction | None) -> str:
+    """'N/2', 'N', '2N' or 'row-constant' (for error messages and listings)."""
+    if width is None:
+        return "row-constant"
+    return {Fraction(1, 2): "N/2", Fraction(1): "N", Fraction(2): "2N"}.get(width, f"{width}*N")
+
 
 # --------------------------------------------------------------------------- elementwise ops
 #: How an op's result type follows from its arguments' (``program.make_elementwise`` applies these).
@@ -109,3 +127,175 @@ ELEMENTWISE: dict[str, ElementwiseOp] = {op.name: op for op in [
 ]}
 
 COMPARISONS = tuple(name for name, op in ELEMENTWISE.items() if op.typing == "compare")
+
+
+# --------------------------------------------------------------------------- operand kinds
+#: How the kernel brings an operand's values to the epilogue (lowering implements each once).
+STAGINGS = {
+    "argument": "a kernel argument, the same value everywhere",
+    "vector": "the tile's slice copied into shared memory once per tile, read through a broadcast view",
+    "ring": "subtiles brought by TMA through a shared-memory ring, a warp ahead of the epilogue",
+    "gather": "read from global memory element by element, a subtile ahead (or staged in a ring)",
+}
+
+_F32_MAX = 3.4028234663852886e38
+
+
+class OperandKind:
+    """One kind of operand (an input the epilogue reads besides the accumulator).
+
+    ``name`` is how programs and fingerprints spell the kind; ``annotation`` the frontend's
+    ``cc.<annotation>`` that declares it, ``width`` that annotation's column space (None: the
+    same along a row, no width to choose).  ``dims`` is the tensor a call passes: 'M' one entry
+    per row (leading batch dims allowed), 'W' one per column of the operand's width, 'R' and
+    'P' any size; () for a Python float.  ``staging`` is one of ``STAGINGS``.
+    ``holds_indices``: it may be int32 when the program compares it with ``.row`` / ``.col``.
+    """
+
+    name: str
+    annotation: str
+    width: Fraction | None = Fraction(1)
+    dims: tuple[str, ...]
+    staging: str
+    holds_indices = False
+
+    @property
+    def is_tensor(self) -> bool:
+        """Whether a call passes a tensor (else a Python float)."""
+        return bool(self.dims)
+
+    def shape(self, width: Fraction | None) -> str:
+        """The tensor's shape in words, e.g. '(M, N/2)'."""
+        dims = [width_str(width) if d == "W" else d for d in self.dims]
+        return f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
+
+    def describe(self, width: Fraction | None) -> str:
+        """What a listing says about an operand of this kind and width."""
+        return self.shape(width)
+
+    def bind(self, op, value, rows: int, cols: int | None, batch_shape: tuple):
+        """``value`` (for a tensor kind: a tensor whose dtype and device are checked) checked
+        against operand ``op``'s shape and normalized: leading batch dims flattened to ``rows``."""
+        raise NotImplementedError
+
+    def read(self, value, rows: int, cols: int | None, device) -> torch.Tensor:
+        """The reference interpreter's view of a bound value, broadcastable to (rows, cols)."""
+        raise NotImplementedError
+
+
+class _RowVec(OperandKind):
+    name = "row"
+    annotation = "RowVec"
+    width = None
+    dims = ("M",)
+    staging = "vector"
+    holds_indices = True
+
+    def bind(self, op, value, rows, cols, batch_shape):
+        shape = tuple(value.shape)
+        if shape not in ((rows,), batch_shape):
+            raise ArgumentError(f"operand {op.name!r} is a RowVec: expected shape ({rows},) (one value per row), "
+                                f"got {shape}")
+        return value.reshape(rows)
+
+    def read(self, value, rows, cols, device):
+        return value[:, None]
+
+
+class _ColVec(OperandKind):
+    name = "col"
+    annotation = "ColVec"
+    dims = ("W",)
+    staging = "vector"
+    holds_indices = True
+
+    def bind(self, op, value, rows, cols, batch_shape):
+        shape = tuple(value.shape)
+        if shape != (cols,):
+            raise ArgumentError(f"operand {op.name!r} is a ColVec {width_str(op.width)} wide: expected shape "
+                                f"({cols},), got {shape}")
+        return value
+
+    def read(self, value, rows, cols, device):
+        return value[None, :]
+
+
+class _Tile(OperandKind):
+    name = "tile"
+    annotation = "Tile"
+    dims = ("M", "W")
+    staging = "ring"
+
+    def bind(self, op, value, rows, cols, batch_shape):
+        shape = tuple(value.shape)
+        if shape not in ((rows, cols), batch_shape + (cols,)):
+            raise ArgumentError(f"operand {op.name!r} is a Tile {width_str(op.width)} wide: expected shape "
+                                f"({rows}, {cols}), got {shape}")
+        return value.reshape(rows, cols)
+
+    def read(self, value, rows, cols, device):
+        return value
+
+
+class _Scalar(OperandKind):
+    name = "scalar"
+    annotation = "Scalar"
+    width = None
+    dims = ()
+    staging = "argument"
+
+    def describe(self, width):
+        return "runtime float"
+
+    def bind(self, op, value, rows, cols, batch_shape):
+        return check_scalar(op, value)
+
+    def read(self, value, rows, cols, device):
+        return torch.tensor(value, dtype=torch.float32, device=device)
+
+
+def check_scalar(op, value) -> float:
+    """A Scalar operand's value as a float, or an ArgumentError.  Checked on every call, also of
+    a compiled kernel: a scalar's value is not part of the kernel's signature."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentError(f"operand {op.name!r} is a Scalar: expected a Python float, got {type(value).__name__}")
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ArgumentError(f"operand {op.name!r} is a Scalar read as float32; {value} does not fit") from None
+    if math.isnan(value):
+        raise ArgumentError(f"operand {op.name!r} is NaN; a Scalar must be a number (infinities are allowed)")
+    if math.isfinite(value) and abs(value) > _F32_MAX:
+        raise ArgumentError(f"operand {op.name!r} is a Scalar read as float32; {value!r} does not fit (pass "
+                            "float('inf') for an infinity)")
+    return value
+
+
+class _Table(OperandKind):
+    name = "table"
+    annotation = "Table"
+    dims = ("R", "P")
+    staging = "gather"
+
+    def describe(self, width):
+        return f"{self.shape(width)}, read as T[row % R, col % P], col in {width_str(width)}"
+
+    def bind(self, op, value, rows, cols, batch_shape):
+        shape = tuple(value.shape)
+        if value.dim() != 2 or min(shape) == 0:
+            raise ArgumentError(f"operand {op.name!r} is a Table: expected a 2-D tensor (R, P), got shape {shape}")
+        return value
+
+    def read(self, value, rows, cols, device):
+        r = torch.arange(rows, device=device) % value.shape[0]
+        c = torch.arange(cols, device=device) % value.shape[1]
+        return value[r[:, None], c[None, :]]
+
+
+OPERAND_KINDS: dict[str, OperandKind] = {kind.name: kind for kind in (_RowVec(), _ColVec(), _Tile(), _Scalar(), _Table())}
+
+
+def annotations_text(prefix: str = "cc.", last: str = " or ") -> str:
+    """The annotations listed for a message: 'cc.RowVec, cc.ColVec, cc.Tile, cc.Scalar or cc.Table'."""
+    names = [prefix + kind.annotation for kind in OPERAND_KINDS.values()]
+    return ", ".join(names[:-1]) + last + names[-1]

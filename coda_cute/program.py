@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from .errors import ProgramError
-from .primitives import COMPARISONS, ELEMENTWISE
+from .primitives import COMPARISONS, ELEMENTWISE, OPERAND_KINDS, WIDTHS, annotations_text, width_str
 
 #: Bumped whenever the meaning of a serialized program changes.
 IR_VERSION = 1
@@ -37,9 +37,6 @@ IR_VERSION = 1
 #: Dtypes a tile output or a rounding cast may name (storage dtypes); "in" is the GEMM
 #: inputs' dtype, resolved when the program is bound to tensors.
 STORAGE_DTYPES = ("f32", "bf16", "f16", "in")
-
-#: Column spaces a value may live in, as multiples of N (see module docstring).
-WIDTHS = (Fraction(1, 2), Fraction(1), Fraction(2))
 
 # keywords, soft keywords included, spelled out so every Python version accepts the same names
 _RESERVED = frozenset(keyword.kwlist) | {"match", "case", "type", "_"}
@@ -49,13 +46,6 @@ CALL_KEYWORDS = frozenset({"out", "return_partials"})
 NODE_DTYPES = ("f32", "i32", "bool")
 _NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,47}\Z")
 _INT32 = (-(2**31), 2**31 - 1)
-
-
-def width_str(width: Fraction | None) -> str:
-    """'N/2', 'N', '2N' or 'row-constant' (for error messages and listings)."""
-    if width is None:
-        return "row-constant"
-    return {Fraction(1, 2): "N/2", Fraction(1): "N", Fraction(2): "2N"}.get(width, f"{width}*N")
 
 
 def parse_width(text: str | int | Fraction) -> Fraction:
@@ -213,36 +203,33 @@ def make_const(value: object) -> Node:
         return Node("const", (), (value,), "f32", None)
     raise ProgramError(
         f"cannot use {type(value).__name__} {value!r} in an epilogue program: expected a Python "
-        "int or float constant, or an operand declared as a parameter (RowVec, ColVec, Tile, Scalar, Table)"
+        f"int or float constant, or an operand declared as a parameter ({annotations_text('', ', ')})"
     )
 
 
 # --------------------------------------------------------------------------- operands / outputs
-OPERAND_KINDS = ("row", "col", "tile", "scalar", "table")
-
-
 @dataclass(frozen=True)
 class Operand:
-    """An input the epilogue reads besides the accumulator.
-
-    kind 'row': vector of length M (one value per row); 'col': vector with one value per
-    column of its width; 'tile': M x (width*N) tensor; 'scalar': runtime float;
-    'table': 2-D tensor T of shape (R, P) read as T[row % R, col % P].
-    """
+    """An input the epilogue reads besides the accumulator: its kind is one of
+    ``primitives.OPERAND_KINDS`` ('row', 'col', 'tile', 'scalar', 'table'), its width the
+    column space it lives in (None for kinds that are the same along a row)."""
 
     name: str
     kind: str
     width: Fraction | None = None
 
+    @property
+    def is_tensor(self) -> bool:
+        """Whether a call passes a tensor for it (else a Python float)."""
+        return OPERAND_KINDS[self.kind].is_tensor
+
+    @property
+    def staging(self) -> str:
+        """How the kernel brings its values to the epilogue (``primitives.STAGINGS``)."""
+        return OPERAND_KINDS[self.kind].staging
+
     def describe(self) -> str:
-        shape = {
-            "row": "(M,)",
-            "col": f"({width_str(self.width)},)",
-            "tile": f"(M, {width_str(self.width)})",
-            "scalar": "runtime float",
-            "table": f"(R, P), read as T[row % R, col % P], col in {width_str(self.width)}",
-        }[self.kind]
-        return f"{self.name}: {self.kind} {shape}"
+        return f"{self.name}: {self.kind} {OPERAND_KINDS[self.kind].describe(self.width)}"
 
 
 @dataclass(frozen=True)
@@ -311,9 +298,9 @@ class Program:
         seen: dict[str, str] = {}
         for op in self.operands:
             check_name(op.name, "operand")
-            if op.kind not in OPERAND_KINDS:
+            if not isinstance(op.kind, str) or op.kind not in OPERAND_KINDS:
                 raise ProgramError(f"operand {op.name!r}: unknown kind {op.kind!r}")
-            if (op.width is None) != (op.kind in ("row", "scalar")) or (op.width is not None and op.width not in WIDTHS):
+            if (op.width is None) != (OPERAND_KINDS[op.kind].width is None) or (op.width is not None and op.width not in WIDTHS):
                 raise ProgramError(
                     f"operand {op.name!r} ({op.kind}) has width {width_str(op.width)}; per-row vectors and scalars "
                     "have none, the others are N/2, N or 2N wide"
@@ -448,7 +435,7 @@ def index_operands(program: "Program") -> dict[str, tuple[tuple[str, Fraction | 
     found: dict[str, set] = {}
     for node in program.nodes:
         for arg in node.args:
-            if not reads_as_index(node, arg) or program.operand(arg.attrs[0]).kind not in ("row", "col"):
+            if not reads_as_index(node, arg) or not OPERAND_KINDS[program.operand(arg.attrs[0]).kind].holds_indices:
                 continue
             for other in node.args:
                 for coord in _walk([other]) if other is not arg else ():

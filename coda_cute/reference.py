@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .arguments import Problem, bind
-from .primitives import COMPARISONS, ELEMENTWISE
+from .primitives import COMPARISONS, ELEMENTWISE, OPERAND_KINDS
 from .program import Node, Program, reads_as_index
 
 _IDENTITY = {"sum": 0.0, "sumsq": 0.0, "max": -math.inf, "maxabs": 0.0}
@@ -135,21 +135,10 @@ class _Evaluator:
     def load(self, node: Node, as_index: bool = False) -> torch.Tensor:
         name = node.attrs[0]
         op, value = self.p.program.operand(name), self.p.operands[name]
-        dev = self.acc.device
-        if op.kind == "scalar":
-            return torch.tensor(value, dtype=torch.float32, device=dev)
-        if not (as_index and not value.dtype.is_floating_point):
+        if isinstance(value, torch.Tensor) and not (as_index and not value.dtype.is_floating_point):
             value = value.float()  # operand values are fp32, as in the kernel
-        if op.kind == "row":
-            return value[:, None]
-        if op.kind == "col":
-            return value[None, :]
-        if op.kind == "tile":
-            return value
-        rows, period = value.shape  # table: T[row % R, col % P]
-        r = torch.arange(self.p.m, device=dev) % rows
-        c = torch.arange(self.p.cols(op.width), device=dev) % period
-        return value[r[:, None], c[None, :]]
+        cols = None if op.width is None else self.p.cols(op.width)
+        return OPERAND_KINDS[op.kind].read(value, self.p.m, cols, self.acc.device)
 
 
 def _reduce_dim(x: torch.Tensor, kind: str, dim: int) -> torch.Tensor:
