@@ -4,7 +4,8 @@ Every consumer of a program reads these tables instead of keeping its own: the f
 (the ``cc.<op>`` functions and the operand annotations), the program's validation and
 listing, argument binding, the reference interpreter, fake-argument compilation and the
 lowering.  Adding an elementwise op is one ``ElementwiseOp`` entry here (plus its test and
-its line in the README).
+its line in the README); ``tests/test_registry.py`` fails if a consumer cannot handle an
+entry.
 
 This module sits at the bottom of the package: it imports nothing from it but the errors.
 """
