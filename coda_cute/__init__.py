@@ -6,11 +6,12 @@ the generator (``config`` to ``cache``: a program becomes a compiled kernel), th
 ``nn``, ``cli``).  Each module imports only modules listed before it, never one after it
 (``tests/test_layering.py`` holds the package to this list, and every module must be in it).
 
-- ``version``, ``errors``, ``program``, ``frontend``, ``derive``
-                 the language: the package's version, the kinds of failure, the validated program
-                 (a typed DAG) and its fingerprint, the user's ``@epilogue`` contract that builds
-                 one, and backward programs derived from forward ones (reverse mode over the
-                 DAG); all that ``import coda_cute`` loads;
+- ``version``, ``errors``, ``primitives``, ``program``, ``frontend``, ``derive``
+                 the language: the package's version, the kinds of failure, the elementwise ops
+                 and operand kinds (one definition each), the validated program (a typed DAG)
+                 and its fingerprint, the user's ``@epilogue`` contract that builds one, and
+                 backward programs derived from forward ones (reverse mode over the DAG); all
+                 that ``import coda_cute`` loads;
 - ``library``    the ready programs in ``epilogues/``, and where the shipped folders are;
 - ``config``     what a kernel is specialized for (arch, GPU, dtypes, majors, tile, cluster);
 - ``lower``      program + config -> the template's context (per-lane epilogue code);
@@ -29,12 +30,7 @@ the generator (``config`` to ``cache``: a program becomes a compiled kernel), th
 """
 
 from .errors import ArgumentError, CodaError, ProgramError, UnsupportedError
-from .frontend import (
-    ColVec, Expr, Reduction, RowVec, Scalar, Table, Tile, bf16, clamp, col_logsumexp, col_max,
-    col_maxabs, col_sum, col_sumsq, epilogue, exp, f16, f32, gelu, gelu_tanh, input_dtype, interleave, log,
-    maximum, minimum, pairs, reduce, relu, row_logsumexp, row_max, row_maxabs, row_sum, row_sumsq,
-    rsqrt, sigmoid, silu, sqrt, square, tanh, where,
-)
+from .frontend import *  # noqa: F403 - the language: its __all__ (operators, annotations, functions)
 from .derive import derive
 from .program import Program
 from .version import __version__

@@ -23,6 +23,7 @@ import math
 import torch
 
 from .errors import ArgumentError
+from .primitives import OPERAND_KINDS
 from .program import Program, index_operands, width_str
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -32,7 +33,6 @@ _SHORT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", to
 TORCH_DTYPES = {v: k for k, v in _SHORT.items()}
 #: the largest n with every integer 0..n exact in each float dtype (its significand's reach)
 _EXACT_INTEGERS = {torch.float32: 2**24, torch.bfloat16: 2**8, torch.float16: 2**11}
-_F32_MAX = 3.4028234663852886e38
 
 
 def short_dtype(dtype: torch.dtype) -> str:
@@ -115,24 +115,10 @@ def bind(program: Program, a: torch.Tensor, b: torch.Tensor, operands: dict | No
     return problem
 
 
-def _bind_scalar(op, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentError(f"operand {op.name!r} is a Scalar: expected a Python float, got {type(value).__name__}")
-    try:
-        value = float(value)
-    except OverflowError:
-        raise ArgumentError(f"operand {op.name!r} is a Scalar read as float32; {value} does not fit") from None
-    if math.isnan(value):
-        raise ArgumentError(f"operand {op.name!r} is NaN; a Scalar must be a number (infinities are allowed)")
-    if math.isfinite(value) and abs(value) > _F32_MAX:
-        raise ArgumentError(f"operand {op.name!r} is a Scalar read as float32; {value!r} does not fit (pass "
-                            "float('inf') for an infinity)")
-    return value
-
-
 def _bind_operand(op, value, batch_shape, m, n, device, indices: bool):
-    if op.kind == "scalar":
-        return _bind_scalar(op, value)
+    kind = OPERAND_KINDS[op.kind]
+    if not kind.is_tensor:
+        return kind.bind(op, value, m, None, batch_shape)
     if not isinstance(value, torch.Tensor):
         raise ArgumentError(f"operand {op.name!r} ({op.describe()}) must be a tensor, got {type(value).__name__}")
     if value.dtype not in FLOAT_DTYPES and not (value.dtype in INDEX_DTYPES and indices):
@@ -145,27 +131,7 @@ def _bind_operand(op, value, batch_shape, m, n, device, indices: bool):
         raise ArgumentError(
             f"operand {op.name!r} is {width_str(op.width)} wide but N={n} is odd: pairwise ops need an even N"
         )
-    shape = tuple(value.shape)
-    if op.kind == "row":
-        if shape not in ((m,), batch_shape):
-            raise ArgumentError(f"operand {op.name!r} is a RowVec: expected shape ({m},) (one value per row), got {shape}")
-        return value.reshape(m)
-    if op.kind == "col":
-        if shape != (int(cols),):
-            raise ArgumentError(
-                f"operand {op.name!r} is a ColVec {width_str(op.width)} wide: expected shape ({int(cols)},), got {shape}"
-            )
-        return value
-    if op.kind == "tile":
-        if shape not in ((m, int(cols)), batch_shape + (int(cols),)):
-            raise ArgumentError(
-                f"operand {op.name!r} is a Tile {width_str(op.width)} wide: expected shape ({m}, {int(cols)}), got {shape}"
-            )
-        return value.reshape(m, int(cols))
-    # table
-    if value.dim() != 2 or min(shape) == 0:
-        raise ArgumentError(f"operand {op.name!r} is a Table: expected a 2-D tensor (R, P), got shape {shape}")
-    return value
+    return kind.bind(op, value, m, None if cols is None else int(cols), batch_shape)
 
 
 def _check_widths(problem: Problem) -> None:
@@ -274,17 +240,17 @@ def check_kernel_arguments(problem: Problem, given: dict | None = None) -> None:
     if problem.k % 8:
         raise ArgumentError(f"K={problem.k} must be a multiple of 8 (16-byte rows for TMA)")
     for op in problem.program.operands:
-        t = problem.operands[op.name]
-        if op.kind == "tile" and (not _row_stride_ok(t) or not _aligned(t)):
+        t, kind = problem.operands[op.name], OPERAND_KINDS[op.kind]
+        if kind.staging == "ring" and (not _row_stride_ok(t) or not _aligned(t)):
             raise ArgumentError(
-                f"operand {op.name!r} (a Tile, {tuple(t.shape)}, strides {t.stride()}) must have unit column "
-                "stride, 16-byte aligned rows and a 16-byte aligned data pointer"
+                f"operand {op.name!r} (a {kind.annotation}, {tuple(t.shape)}, strides {t.stride()}) must have unit "
+                "column stride, 16-byte aligned rows and a 16-byte aligned data pointer"
             )
-        if op.kind in ("row", "col") and t.stride(0) != 1 and t.shape[0] > 1:
-            raise ArgumentError(f"operand {op.name!r} (a {'RowVec' if op.kind == 'row' else 'ColVec'}, strides "
-                                f"{t.stride()}) must be contiguous")
-        if op.kind == "table" and t.stride(1) != 1 and t.shape[1] > 1:
-            raise ArgumentError(f"operand {op.name!r} (a Table, strides {t.stride()}) must have unit column stride")
+        if kind.staging == "vector" and t.stride(0) != 1 and t.shape[0] > 1:
+            raise ArgumentError(f"operand {op.name!r} (a {kind.annotation}, strides {t.stride()}) must be contiguous")
+        if kind.staging == "gather" and t.stride(1) != 1 and t.shape[1] > 1:
+            raise ArgumentError(f"operand {op.name!r} (a {kind.annotation}, strides {t.stride()}) must have unit "
+                                "column stride")
     for o in problem.program.tile_outputs:
         cols = problem.cols(o.node.width)
         dtype = problem.storage_dtype(o.dtype)

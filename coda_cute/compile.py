@@ -27,6 +27,7 @@ from pathlib import Path
 from .config import KernelConfig
 from .errors import UnsupportedError
 from .lower import CUTE_DTYPES, DTYPE_BYTES, lower, operand_dtype
+from .primitives import OPERAND_KINDS
 from .program import Program
 from .render import render
 
@@ -109,19 +110,27 @@ def fake_arguments(program: Program, config: KernelConfig) -> list:
         else:
             args.append(matrix("f32", cute.sym_int(), length, align=4))
         args.append(make_fake_tensor(cutlass.Float32, (length,), (1,), assumed_align=4))  # finished values
+    periods = dict(config.table_periods)
+
+    def extent(dim: str, op):
+        """One dimension of an operand (``OperandKind.dims``): M, its columns, a period baked in, or any."""
+        if dim == "M":
+            return m
+        if dim == "W":
+            return cols[op.width]
+        return periods[op.name] if dim == "P" and op.name in periods else cute.sym_int()
+
     for op in program.operands:
-        if op.kind == "scalar":
+        kind = OPERAND_KINDS[op.kind]
+        if not kind.is_tensor:
             args.append(cutlass.Float32(1.0))
             continue
         od = operand_dtype(config, op.name)
-        if op.kind == "tile":
-            args.append(matrix(od, m, cols[op.width]))
-        elif op.kind in ("row", "col"):
-            length = m if op.kind == "row" else cols[op.width]
-            args.append(make_fake_tensor(dtype(od), (length,), (1,), assumed_align=DTYPE_BYTES[od]))
-        else:
-            period = dict(config.table_periods).get(op.name) or cute.sym_int()
-            args.append(matrix(od, cute.sym_int(), period, align=DTYPE_BYTES[od]))
+        shape = [extent(dim, op) for dim in kind.dims]
+        if len(shape) == 1:
+            args.append(make_fake_tensor(dtype(od), tuple(shape), (1,), assumed_align=DTYPE_BYTES[od]))
+        else:  # TMA reads a ring's operand: 16-byte aligned rows and base
+            args.append(matrix(od, *shape, align=16 if kind.staging == "ring" else DTYPE_BYTES[od]))
     return args
 
 

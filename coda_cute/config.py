@@ -116,7 +116,7 @@ class KernelConfig:
         and only the program's table periods, in program order: one spelling per kernel, so
         configs that build the same kernel have the same cache key."""
         given = dict(self.operand_dtypes)
-        tensors = [op for op in program.operands if op.kind != "scalar"]
+        tensors = [op for op in program.operands if op.is_tensor]
         unknown = sorted(set(given) - {op.name for op in tensors})
         if unknown:
             raise UnsupportedError(
@@ -131,8 +131,8 @@ class KernelConfig:
                 raise UnsupportedError(f"operand {name!r}: int32 is for row or column vectors the program compares "
                                        "with .row or .col (indices); use bf16, f16 or f32")
         periods = dict(self.table_periods)
-        tables = tuple((op.name, periods[op.name]) for op in tensors if op.kind == "table" and op.name in periods)
-        staged = self.stage_tables and any(op.kind == "table" for op in tensors)
+        tables = tuple((op.name, periods[op.name]) for op in tensors if op.staging == "gather" and op.name in periods)
+        staged = self.stage_tables and any(op.staging == "gather" for op in tensors)
         return replace(self, operand_dtypes=dtypes, table_periods=tables, stage_tables=staged)
 
     @property

@@ -51,15 +51,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from fractions import Fraction
 
+from . import frontend as language
 from . import program as ir
 from .errors import ProgramError
 from .frontend import Expr
 from .frontend import exp as _exp
-from .frontend import gelu as _gelu
 from .frontend import interleave as _interleave
-from .frontend import sigmoid as _sigmoid
-from .frontend import tanh as _tanh
 from .frontend import where as _where
+from .primitives import ELEMENTWISE
 from .program import Node, Operand, Output, Program
 
 #: ways the backward's accumulator is formed (see the module docstring)
@@ -67,67 +66,7 @@ ACCUMULATORS = ("upstream", "recompute")
 #: name of the operand holding the forward's saved accumulator
 PREACT = "preact"
 
-_SQRT_2_OVER_PI = 0.7978845608028654
-_GELU_TANH_CUBIC = 0.044715
-_INV_SQRT_2PI = 0.3989422804014327
-
-
-# --------------------------------------------------------------------------- derivative rules
-# One rule per differentiable elementwise op: (g, args, y) -> one gradient per argument, None for
-# none.  g is the gradient of the result y; all three are values of the backward program.
-def _min_max(smaller: bool):
-    def rule(g, args, y):
-        a, b = args
-        a_wins = (a < b) if smaller else (a > b)
-        b_wins = (b < a) if smaller else (b > a)
-        half = 0.5 * g
-        return (_where(a_wins, g, _where(a == b, half, 0.0)), _where(b_wins, g, _where(a == b, half, 0.0)))
-    return rule
-
-
-def _gelu_derivative(a):
-    """d gelu(a) / da = Phi(a) + a phi(a), with Phi(a) = gelu(a) / a (0.5 at a = 0)."""
-    cdf = _where(a == 0.0, 0.5, _gelu(a) / _where(a == 0.0, 1.0, a))
-    return cdf + a * _exp(-0.5 * a * a) * _INV_SQRT_2PI
-
-
-def _gelu_tanh_derivative(a):
-    inner = _SQRT_2_OVER_PI * (a + _GELU_TANH_CUBIC * a * a * a)
-    t = _tanh(inner)
-    return 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_CUBIC * a * a)
-
-
-def _silu_derivative(a):
-    s = _sigmoid(a)
-    return s * (1.0 + a * (1.0 - s))
-
-
-DERIVATIVES = {
-    "add": lambda g, args, y: (g, g),
-    "sub": lambda g, args, y: (g, -g),
-    "mul": lambda g, args, y: (g * args[1], g * args[0]),
-    "div": lambda g, args, y: (g / args[1], -(g * y) / args[1]),
-    "minimum": _min_max(smaller=True),
-    "maximum": _min_max(smaller=False),
-    "neg": lambda g, args, y: (-g,),
-    "abs": lambda g, args, y: (_where(args[0] > 0.0, g, _where(args[0] < 0.0, -g, 0.0)),),
-    "square": lambda g, args, y: (2.0 * args[0] * g,),
-    "exp": lambda g, args, y: (g * y,),
-    "log": lambda g, args, y: (g / args[0],),
-    "sqrt": lambda g, args, y: (0.5 * g / y,),
-    "rsqrt": lambda g, args, y: (-0.5 * g * y * y * y,),
-    "tanh": lambda g, args, y: (g * (1.0 - y * y),),
-    "sigmoid": lambda g, args, y: (g * y * (1.0 - y),),
-    "relu": lambda g, args, y: (_where(args[0] > 0.0, g, 0.0),),
-    "gelu": lambda g, args, y: (g * _gelu_derivative(args[0]),),
-    "gelu_tanh": lambda g, args, y: (g * _gelu_tanh_derivative(args[0]),),
-    "silu": lambda g, args, y: (g * _silu_derivative(args[0]),),
-    "where": lambda g, args, y: (None, _where(args[0], g, 0.0), _where(args[0], 0.0, g)),
-}
-#: ops whose result carries no gradient (integers, comparisons, logic)
-NOT_DIFFERENTIABLE = ("floordiv", "mod", "lt", "le", "gt", "ge", "eq", "ne", "and_", "or_", "not_")
-
-
+# --------------------------------------------------------------------------- reductions
 def _reduction_gradient(kind: str, x, result, g, segment: int | None = None):
     """Gradient reaching x from ``result = reduce(kind, x)`` whose gradient, broadcast back over
     what was reduced, is g.  Max-like reductions split g evenly among the maximal elements (as
@@ -418,7 +357,7 @@ class _Deriver:
         def give(arg: Node, grad: Expr | None) -> None:
             add(arg, grad, space if arg.width is None else self.width(arg.width, arg.describe()))
 
-        if op in ("const", "row", "col") or op in NOT_DIFFERENTIABLE:
+        if op in ("const", "row", "col"):
             return
         if op == "cast":
             give(node.args[0], g)
@@ -441,11 +380,11 @@ class _Deriver:
             give(node.args[0], _reduction_gradient(kind, self.value(node.args[0]), self.value(node), segment_sum,
                                                    segment))
             return
-        rule = DERIVATIVES.get(op)
+        rule = ELEMENTWISE[op].derivative  # the op's entry in primitives.py
         if rule is None:
             raise ProgramError(f"derive({self.p.name}): op {op!r} has no derivative rule ({node.describe()})")
         args = tuple(self.value(a) for a in node.args)
-        for arg, grad in zip(node.args, rule(g, args, self.value(node))):
+        for arg, grad in zip(node.args, rule(g, args, self.value(node), language)):
             give(arg, grad)
 
     def _outputs(self, grads) -> tuple[list[Output], list[Gradient]]:

@@ -33,6 +33,7 @@ from fractions import Fraction
 
 from . import program as ir
 from .errors import ProgramError
+from .primitives import ELEMENTWISE, OPERAND_KINDS, ElementwiseOp, annotations_text
 
 # storage dtypes, spelled like torch's; input_dtype = whatever the GEMM inputs are (bf16 or f16)
 f32, bf16, f16, input_dtype = "f32", "bf16", "f16", "in"
@@ -129,29 +130,30 @@ def _call(op: str, *args) -> Expr:
     return Expr(ir.make_elementwise(op, [_node(a) for a in args]))
 
 
-# ---------------------------------------------------------------- math, in the order of the docs
-def exp(x): return _call("exp", x)
-def log(x): return _call("log", x)
-def sqrt(x): return _call("sqrt", x)
-def rsqrt(x): return _call("rsqrt", x)
-def tanh(x): return _call("tanh", x)
-def sigmoid(x): return _call("sigmoid", x)
-def relu(x): return _call("relu", x)
-def gelu(x): return _call("gelu", x)
-def gelu_tanh(x): return _call("gelu_tanh", x)
-def silu(x): return _call("silu", x)
-def square(x): return _call("square", x)
-def minimum(x, y): return _call("minimum", x, y)
-def maximum(x, y): return _call("maximum", x, y)
-def where(cond, x, y): return _call("where", cond, x, y)
+# ---------------------------------------------------------------- elementwise functions
+def _function(op: ElementwiseOp) -> typing.Callable:
+    """The frontend function ``cc.<name>`` of an elementwise op that no Python operator spells."""
+    signature = inspect.Signature([inspect.Parameter(arg, inspect.Parameter.POSITIONAL_OR_KEYWORD) for arg in op.args])
+
+    def function(*args, **kwargs) -> Expr:
+        return _call(op.name, *signature.bind(*args, **kwargs).args)
+
+    function.__name__ = function.__qualname__ = op.name
+    function.__doc__, function.__signature__ = op.doc, signature
+    return function
+
+
+# cc.exp, cc.where ...: one function per elementwise op that no operator spells
+_FUNCTIONS = [op.name for op in ELEMENTWISE.values() if not op.operator]
+globals().update({name: _function(ELEMENTWISE[name]) for name in _FUNCTIONS})
 
 
 def clamp(x, lo=None, hi=None):
     """min(max(x, lo), hi); either bound may be omitted."""
     if lo is not None:
-        x = maximum(x, lo)
+        x = _call("maximum", x, lo)
     if hi is not None:
-        x = minimum(x, hi)
+        x = _call("minimum", x, hi)
     return x if isinstance(x, Expr) else Expr(_node(x))
 
 
@@ -246,26 +248,25 @@ def reduce(x, kind: str, axis: str, segment=None):
 
 
 # ---------------------------------------------------------------- operand annotations
-class OperandKind:
+class OperandAnnotation:
     """Annotation for an epilogue parameter; subscript with a width: ``cc.Tile["2N"]``."""
 
     def __init__(self, kind: str, width: Fraction | None, label: str):
         self.kind, self.width, self.label = kind, width, label
 
-    def __getitem__(self, width: str) -> "OperandKind":
+    def __getitem__(self, width: str) -> "OperandAnnotation":
         if self.width is None:
             raise ProgramError(f"{self.label} has no width to choose")
-        return OperandKind(self.kind, ir.parse_width(width), f"{self.label}[{width!r}]")
+        return OperandAnnotation(self.kind, ir.parse_width(width), f"{self.label}[{width!r}]")
 
     def __repr__(self) -> str:
         return f"coda_cute.{self.label}"
 
 
-RowVec = OperandKind("row", None, "RowVec")
-ColVec = OperandKind("col", Fraction(1), "ColVec")
-Tile = OperandKind("tile", Fraction(1), "Tile")
-Scalar = OperandKind("scalar", None, "Scalar")
-Table = OperandKind("table", Fraction(1), "Table")
+# cc.RowVec, cc.ColVec ...: one annotation per operand kind
+_ANNOTATIONS = [kind.annotation for kind in OPERAND_KINDS.values()]
+globals().update({kind.annotation: OperandAnnotation(kind.name, kind.width, kind.annotation)
+                  for kind in OPERAND_KINDS.values()})
 
 
 # ---------------------------------------------------------------- the decorator
@@ -326,10 +327,10 @@ def _trace(fn, name: str, overrides: dict, origin: str | None) -> EpilogueFuncti
         if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             raise ProgramError(f"program {name!r}: *args/**kwargs are not supported (parameter {p.name!r})")
         kind = hints.get(p.name)
-        if not isinstance(kind, OperandKind):
+        if not isinstance(kind, OperandAnnotation):
             raise ProgramError(
                 f"program {name!r}: parameter {p.name!r} needs an operand annotation "
-                "(cc.RowVec, cc.ColVec, cc.Tile, cc.Scalar or cc.Table), got "
+                f"({annotations_text()}), got "
                 f"{'none' if kind is None else repr(kind)}"
             )
         ir.check_name(p.name, "operand")
@@ -418,9 +419,7 @@ def _name_values(local_names: dict, roots: list) -> None:
 
 
 __all__ = [
-    "Expr", "Reduction", "OperandKind", "RowVec", "ColVec", "Tile", "Scalar", "Table", "epilogue",
-    "f32", "bf16", "f16", "input_dtype", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "gelu_tanh",
-    "silu", "square", "minimum", "maximum", "where", "clamp", "pairs", "interleave", "reduce",
-    "row_sum", "row_sumsq", "row_max", "row_maxabs", "row_logsumexp",
+    "Expr", "Reduction", *_ANNOTATIONS, "epilogue", "f32", "bf16", "f16", "input_dtype", *_FUNCTIONS, "clamp",
+    "pairs", "interleave", "reduce", "row_sum", "row_sumsq", "row_max", "row_maxabs", "row_logsumexp",
     "col_sum", "col_sumsq", "col_max", "col_maxabs", "col_logsumexp",
 ]

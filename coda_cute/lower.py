@@ -27,6 +27,7 @@ from fractions import Fraction
 
 from .config import SMEM_BYTES, KernelConfig
 from .errors import UnsupportedError
+from .primitives import ELEMENTWISE, OPERAND_KINDS
 from .program import Node, Program, reads_as_index, width_str
 
 HALF, ONE, TWO = Fraction(1, 2), Fraction(1), Fraction(2)
@@ -41,42 +42,6 @@ AB_STAGES_WANTED = 4  # mainloop stages that keep the tensor cores fed (fewer st
 TILE_INPUT_AB_STAGES = 3
 NUM_LANES = {None: 1, HALF: 1, ONE: 2, TWO: 4}
 _IDENTITY = {"sum": "0.0", "sumsq": "0.0", "max": '-float("inf")', "maxabs": "0.0"}
-
-# How each elementwise op is written in CuTe DSL, on lane values (names or literals).
-ELEMENTWISE_CODE = {
-    "add": "{0} + {1}",
-    "sub": "{0} - {1}",
-    "mul": "{0} * {1}",
-    "div": "{0} / {1}",
-    "floordiv": "({0} - ((({0} % {1}) + {1}) % {1})) // {1}",  # floor semantics, as in Python
-    "mod": "(({0} % {1}) + {1}) % {1}",
-    "minimum": "cute.math.min({0}, {1})",
-    "maximum": "cute.math.max({0}, {1})",
-    "neg": "-{0}",
-    "abs": "cute.math.abs({0})",
-    "square": "{0} * {0}",
-    "exp": "cute.math.exp({0}, fastmath=True)",
-    "log": "cute.math.log({0}, fastmath=True)",
-    "sqrt": "cute.math.sqrt({0})",
-    "rsqrt": "cute.math.rsqrt({0})",
-    "tanh": "cute.math.tanh({0})",
-    "sigmoid": "sigmoid({0})",
-    "relu": "cute.math.max({0}, 0.0)",
-    "gelu": "0.5 * {0} * (1.0 + cute.math.erf({0} * 0.7071067811865476))",
-    "gelu_tanh": "0.5 * {0} * (1.0 + cute.math.tanh(0.7978845608028654 * ({0} + 0.044715 * {0} * {0} * {0})))",
-    "silu": "{0} * sigmoid({0})",
-    "lt": "{0} < {1}",
-    "le": "{0} <= {1}",
-    "gt": "{0} > {1}",
-    "ge": "{0} >= {1}",
-    "eq": "{0} == {1}",
-    "ne": "{0} != {1}",
-    "and_": "{0} & {1}",
-    "or_": "{0} | {1}",
-    "not_": "~{0}",
-    "where": "{t}(cutlass.select_({0}, {1}, {2}))",
-}
-
 
 @dataclass
 class Context:
@@ -235,7 +200,7 @@ def _check_supported(program: Program, config: KernelConfig) -> None:
                 f"accumulator columns and divide the tile's {config.tile[1] * width} columns"
             )
         for inner in _subgraph(node.args[0]):
-            if inner.op == "segreduce" or (inner.op == "load" and program.operand(inner.attrs[0]).kind == "tile"):
+            if inner.op == "segreduce" or (inner.op == "load" and program.operand(inner.attrs[0]).staging == "ring"):
                 raise UnsupportedError(
                     f"{node.describe()}: a segment reduction runs over the whole tile before the subtiles stream "
                     f"through smem, so it cannot read {inner.describe()} (a tile operand or another segment reduction)"
@@ -243,10 +208,17 @@ def _check_supported(program: Program, config: KernelConfig) -> None:
 
 
 def tables_in_segment_reductions(program: Program) -> set[str]:
-    """Table operands some segment reduction reads: those are never staged in smem (a segment
-    reduction runs over the whole tile before any subtile's slice arrives)."""
+    """Table operands (gathered) some segment reduction reads: those are never staged in smem (a
+    segment reduction runs over the whole tile before any subtile's slice arrives)."""
     return {inner.attrs[0] for node in program.nodes if node.op == "segreduce" for inner in _subgraph(node.args[0])
-            if inner.op == "load" and program.operand(inner.attrs[0]).kind == "table"}
+            if inner.op == "load" and program.operand(inner.attrs[0]).staging == "gather"}
+
+
+def _staging(op, config: KernelConfig) -> str:
+    """How the kernel brings operand ``op``'s values to the epilogue (``primitives.STAGINGS``):
+    its kind's staging, except that gathered operands (tables) come through a ring like tiles
+    when ``config.stage_tables`` stages them in smem."""
+    return "ring" if op.staging == "gather" and config.stage_tables else op.staging
 
 
 def _subgraph(root: Node) -> list[Node]:
@@ -301,20 +273,20 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
     for op in program.operands:
         name = f"in_{op.name}"
         unread = "" if op.name in read else " (not read by the program)"  # taken, never loaded
-        if op.kind == "scalar":
+        staging = _staging(op, config)
+        if staging == "argument":
             ctx.host_params.append(dict(name=name, annotation="cutlass.Float32", doc=f"{name} float{unread}"))
             if not unread:
                 ctx.kernel_params.append(name)
                 ctx.kernel_param_decls.append(f"{name}: cutlass.Float32")
             continue
         dtype = operand_dtype(config, op.name)
-        shape = {"row": "(M,)", "col": f"({width_str(op.width)},)", "tile": f"(M, {width_str(op.width)})",
-                 "table": "(R, P)"}[op.kind]
+        shape = OPERAND_KINDS[op.kind].shape(op.width)
         ctx.host_params.append(dict(name=name, annotation="cute.Tensor", doc=f"{name} {shape} {dtype}{unread}"))
         if unread:
             continue
-        staged = op.kind == "table" and config.stage_tables
-        if op.kind == "tile" or staged:
+        if staging == "ring":
+            staged = op.staging == "gather"  # a table staged in smem (stage_tables)
             cols = int(ctx.epi_n * op.width)
             if staged:
                 period = dict(config.table_periods).get(op.name)
@@ -335,8 +307,8 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
             continue
         ctx.kernel_params.append(name)
         ctx.kernel_param_decls.append(f"{name}: cute.Tensor")
-        if op.kind in ("row", "col"):
-            is_row = op.kind == "row"
+        if staging == "vector":
+            is_row = op.width is None  # one value per row, else one per column of its width
             elems = tile_m if is_row else int(tile_n * op.width)
             base = "row0" if is_row else {HALF: "col0 // 2", ONE: "col0", TWO: "2 * col0"}[op.width]
             length = "M" if is_row else {HALF: "N // 2", ONE: "N", TWO: "2 * N"}[op.width]
@@ -426,7 +398,7 @@ def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, in
     cooperative 128x256 kernel with tile inputs and no stage counts given first tries input
     rings a whole tile deep beside TILE_INPUT_AB_STAGES mainloop stages: its epilogue then never
     waits for an input."""
-    tile_inputs = any(op.kind == "tile" for op in program.operands)
+    tile_inputs = any(op.staging == "ring" for op in program.operands)
     if config.in_stages and not tile_inputs:
         raise UnsupportedError(f"in_stages {config.in_stages}: program {program.name!r} has no tile inputs to load")
     tile_inputs_128x256 = tile_inputs and config.schedule == "cooperative" and tuple(config.tile) == (128, 256)  # as measured
@@ -613,7 +585,7 @@ class _Body:
             return None
         op = self.program.operand(node.attrs[0])
         dtype = operand_dtype(self.config, op.name)
-        if op.kind != "tile" or not _uses_words(op.width, dtype):
+        if op.staging != "ring" or not _uses_words(op.width, dtype):
             return None
         return f"unpack_quad(view_in_{op.name}[pair0], cutlass.{CUTE_DTYPES[dtype]})"
 
@@ -707,13 +679,12 @@ class _Body:
 
 
     def elementwise(self, node: Node, args: list[list[str]]) -> list[str]:
-        code = ELEMENTWISE_CODE[node.op]
-        if node.op in ("sigmoid", "silu"):
-            self.ctx.helpers.add("sigmoid")
+        code = ELEMENTWISE[node.op].cute
+        self.ctx.helpers.update(ELEMENTWISE[node.op].helpers)
         # an int32 operand compared with a coordinate is read as an integer (program.reads_as_index)
         dtypes = ["i32" if self._index_operand(node, a) else a.dtype for a in node.args]
         args = [self.load(a, as_index=True) if self._index_operand(node, a) else lanes for a, lanes in zip(node.args, args)]
-        floating = node.dtype == "f32" or node.op == "div" or "f32" in dtypes
+        floating = node.dtype == "f32" or "f32" in dtypes
         kind = "cutlass.Int32" if node.dtype == "i32" else "cutlass.Float32"
         out = []
         for k in range(NUM_LANES[node.width]):
@@ -732,10 +703,10 @@ class _Body:
 
     def load(self, node: Node, as_index: bool = False) -> list[str]:
         op = self.program.operand(node.attrs[0])
-        name = f"in_{op.name}"
-        if op.kind == "scalar":
+        name, staging = f"in_{op.name}", _staging(op, self.config)
+        if staging == "argument":
             return [name]
-        if op.kind == "table" and not self.config.stage_tables:
+        if staging == "gather":
             cols = self.values(Node("col", (), (), "i32", op.width))
             if self.lines is not self.ctx.body:  # a whole-tile pass (segment reduction): load in place
                 return [_table_read(name, c) for c in cols]
@@ -746,12 +717,10 @@ class _Body:
             return [f"{table['frag']}[({_table_slot(len(cols), k)}, subtile % 2)]" for k in range(len(cols))]
         view = f"view_in_{op.name}"
         index = operand_dtype(self.config, op.name) == "i32"  # an int32 vector's values, as fp32 unless as_index
-        wrap = "cutlass.Float32({})" if op.kind in ("tile", "table") or (index and not as_index) else "{}"
-        if op.kind == "row":
+        wrap = "cutlass.Float32({})" if staging == "ring" or (index and not as_index) else "{}"
+        if op.width in (None, HALF):  # a row vector, or one value per column pair
             return [wrap.format(f"{view}[pair0]")]
-        if op.width == HALF:
-            return [wrap.format(f"{view}[pair0]")]
-        if op.kind in ("tile", "table") and _uses_fragments(op.width, operand_dtype(self.config, op.name)):
+        if staging == "ring" and _uses_fragments(op.width, operand_dtype(self.config, op.name)):
             return [f"cutlass.Float32(frag_in_{op.name}[slot{e}])" for e in (0, 1)]
         if op.width == ONE:
             return [wrap.format(f"{view}[pair{e}]") for e in (0, 1)]
@@ -909,25 +878,21 @@ def _refers_to(lines: list[str], name: str) -> bool:
     return any(re.search(rf"\b{name}\b", line.split("#", 1)[0]) for line in lines)
 
 
-#: elementwise ops that give exactly 0 (+0 or -0) when every argument is 0
-_ZERO_KEEPING = {"add", "sub", "mul", "neg", "abs", "square", "relu", "minimum", "maximum"}
-
-
 def _zero_past_n(program: Program, node: Node) -> bool:
     """Whether `node` is exactly 0 in a ragged tile's padding columns past N, so that a row sum
     needs no `col < N` mask there.  TMA fills B's rows past N with zeros, so the accumulator is 0
-    there; N-wide tile inputs are loaded by TMA too; column vectors are loaded as 0 past N; ops
-    that keep zeros keep it.  (An inf or NaN in a row of A makes that row's padding NaN, where
-    its valid values are all inf or NaN already.)  Column sums keep their `row < M` mask: without
-    it rmsnorm_bwd's dgamma spilled registers."""
+    there; N-wide tile inputs are loaded by TMA too; column vectors are loaded as 0 past N (a
+    table's columns wrap, even staged in smem); ops that keep zeros keep it.  (An inf or NaN in
+    a row of A makes that row's padding NaN, where its valid values are all inf or NaN already.)
+    Column sums keep their `row < M` mask: without it rmsnorm_bwd's dgamma spilled registers."""
     if node.op == "acc":
         return True
     if node.op == "const":
         return node.attrs[0] == 0
     if node.op == "load":
         operand = program.operand(node.attrs[0])
-        return operand.kind in ("tile", "col") and operand.width == ONE
-    if node.op == "cast" or node.op in _ZERO_KEEPING:
+        return operand.staging in ("ring", "vector") and operand.width == ONE
+    if node.op == "cast" or (node.op in ELEMENTWISE and ELEMENTWISE[node.op].keeps_zero):
         return all(_zero_past_n(program, arg) for arg in node.args)
     return False
 

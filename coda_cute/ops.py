@@ -90,7 +90,7 @@ def _register(program: Program, name: str, overwrite: dict):
     params = [inspect.Parameter("a__", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.Tensor),
               inspect.Parameter("b__", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.Tensor)]
     params += [inspect.Parameter(op.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                 annotation=float if op.kind == "scalar" else torch.Tensor) for op in program.operands]
+                                 annotation=torch.Tensor if op.is_tensor else float) for op in program.operands]
     returns = (None if not outputs else torch.Tensor if len(outputs) == 1
                else tuple.__class_getitem__((torch.Tensor,) * len(outputs)))
     signature = inspect.Signature(params, return_annotation=returns)

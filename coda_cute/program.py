@@ -11,7 +11,7 @@ Every node carries three static facts, checked when the node is built:
   per column pair of the accumulator), ``1`` (per accumulator column) or ``2`` (two values
   per accumulator column), or ``None`` for values that are the same along a row (scalars,
   per-row vectors, the row index);
-- ``op`` and ``attrs``: what it computes (see ``ELEMENTWISE`` for the elementwise ops).
+- ``op`` and ``attrs``: what it computes (``primitives.ELEMENTWISE`` defines the elementwise ops).
 
 Outputs are either tiles (stored with their own dtype) or reductions (per-tile partials,
 finished after the kernel).  ``Program`` owns validation of the whole graph and its
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from .errors import ProgramError
+from .primitives import COMPARISONS, ELEMENTWISE, OPERAND_KINDS, WIDTHS, annotations_text, width_str
 
 #: Bumped whenever the meaning of a serialized program changes.
 IR_VERSION = 1
@@ -36,9 +37,6 @@ IR_VERSION = 1
 #: Dtypes a tile output or a rounding cast may name (storage dtypes); "in" is the GEMM
 #: inputs' dtype, resolved when the program is bound to tensors.
 STORAGE_DTYPES = ("f32", "bf16", "f16", "in")
-
-#: Column spaces a value may live in, as multiples of N (see module docstring).
-WIDTHS = (Fraction(1, 2), Fraction(1), Fraction(2))
 
 # keywords, soft keywords included, spelled out so every Python version accepts the same names
 _RESERVED = frozenset(keyword.kwlist) | {"match", "case", "type", "_"}
@@ -48,13 +46,6 @@ CALL_KEYWORDS = frozenset({"out", "return_partials"})
 NODE_DTYPES = ("f32", "i32", "bool")
 _NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,47}\Z")
 _INT32 = (-(2**31), 2**31 - 1)
-
-
-def width_str(width: Fraction | None) -> str:
-    """'N/2', 'N', '2N' or 'row-constant' (for error messages and listings)."""
-    if width is None:
-        return "row-constant"
-    return {Fraction(1, 2): "N/2", Fraction(1): "N", Fraction(2): "2N"}.get(width, f"{width}*N")
 
 
 def parse_width(text: str | int | Fraction) -> Fraction:
@@ -88,60 +79,6 @@ def check_name(name: object, what: str) -> str:
                            "return_partials=..., **operands)); choose another name")
     return name
 
-
-# --------------------------------------------------------------------------- elementwise ops
-@dataclass(frozen=True)
-class OpInfo:
-    """Static description of one elementwise op: its arity and how its result type is formed.
-
-    ``kind``: 'arith' (int stays int, else f32), 'float' (always f32), 'int' (ints only),
-    'compare' (numbers -> bool), 'logic' (bools -> bool), 'select' (where).
-    """
-
-    name: str
-    arity: int
-    kind: str
-    symbol: str = ""  # infix spelling for listings, e.g. '+'
-
-
-ELEMENTWISE: dict[str, OpInfo] = {
-    op.name: op
-    for op in [
-        OpInfo("add", 2, "arith", "+"),
-        OpInfo("sub", 2, "arith", "-"),
-        OpInfo("mul", 2, "arith", "*"),
-        OpInfo("div", 2, "float", "/"),
-        OpInfo("floordiv", 2, "int", "//"),
-        OpInfo("mod", 2, "int", "%"),
-        OpInfo("minimum", 2, "arith"),
-        OpInfo("maximum", 2, "arith"),
-        OpInfo("neg", 1, "arith"),
-        OpInfo("abs", 1, "arith"),
-        OpInfo("square", 1, "arith"),
-        OpInfo("exp", 1, "float"),
-        OpInfo("log", 1, "float"),
-        OpInfo("sqrt", 1, "float"),
-        OpInfo("rsqrt", 1, "float"),
-        OpInfo("tanh", 1, "float"),
-        OpInfo("sigmoid", 1, "float"),
-        OpInfo("relu", 1, "float"),
-        OpInfo("gelu", 1, "float"),
-        OpInfo("gelu_tanh", 1, "float"),
-        OpInfo("silu", 1, "float"),
-        OpInfo("lt", 2, "compare", "<"),
-        OpInfo("le", 2, "compare", "<="),
-        OpInfo("gt", 2, "compare", ">"),
-        OpInfo("ge", 2, "compare", ">="),
-        OpInfo("eq", 2, "compare", "=="),
-        OpInfo("ne", 2, "compare", "!="),
-        OpInfo("and_", 2, "logic", "&"),
-        OpInfo("or_", 2, "logic", "|"),
-        OpInfo("not_", 1, "logic"),
-        OpInfo("where", 3, "select"),
-    ]
-}
-
-COMPARISONS = tuple(name for name, op in ELEMENTWISE.items() if op.kind == "compare")
 
 #: Reductions a program may ask for; each has an identity for padding partial tiles.
 REDUCTIONS = ("sum", "sumsq", "max", "maxabs", "logsumexp")
@@ -198,8 +135,8 @@ def _render(node: Node, depth: int) -> str:
     if op == "segreduce":
         return f"row_{node.attrs[0]}({a[0]}, segment={node.attrs[1]})"
     info = ELEMENTWISE[op]
-    if info.symbol and len(a) == 2:
-        return f"({a[0]} {info.symbol} {a[1]})"
+    if info.operator and len(a) == 2:
+        return f"({a[0]} {info.operator} {a[1]})"
     return f"{op.rstrip('_')}({', '.join(a)})"
 
 
@@ -229,19 +166,19 @@ def make_elementwise(op: str, args: list[Node]) -> Node:
         raise ProgramError(f"{op} takes {info.arity} argument(s), got {len(args)}")
     what = f"{op}({', '.join(a.describe() for a in args)})"
     width = join_widths(args, what)
-    if info.kind == "arith":
+    if info.typing == "arith":
         dtype = _promote(args, what)
-    elif info.kind == "float":
+    elif info.typing == "float":
         _promote(args, what)
         dtype = "f32"
-    elif info.kind == "int":
+    elif info.typing == "int":
         if any(a.dtype != "i32" for a in args):
-            raise ProgramError(f"{what}: '{info.symbol}' is defined on integers (coordinates) only")
+            raise ProgramError(f"{what}: '{info.operator}' is defined on integers (coordinates) only")
         dtype = "i32"
-    elif info.kind == "compare":
+    elif info.typing == "compare":
         _promote(args, what)
         dtype = "bool"
-    elif info.kind == "logic":
+    elif info.typing == "logic":
         if any(a.dtype != "bool" for a in args):
             raise ProgramError(f"{what}: logical ops take comparison results (bool)")
         dtype = "bool"
@@ -266,36 +203,33 @@ def make_const(value: object) -> Node:
         return Node("const", (), (value,), "f32", None)
     raise ProgramError(
         f"cannot use {type(value).__name__} {value!r} in an epilogue program: expected a Python "
-        "int or float constant, or an operand declared as a parameter (RowVec, ColVec, Tile, Scalar, Table)"
+        f"int or float constant, or an operand declared as a parameter ({annotations_text('', ', ')})"
     )
 
 
 # --------------------------------------------------------------------------- operands / outputs
-OPERAND_KINDS = ("row", "col", "tile", "scalar", "table")
-
-
 @dataclass(frozen=True)
 class Operand:
-    """An input the epilogue reads besides the accumulator.
-
-    kind 'row': vector of length M (one value per row); 'col': vector with one value per
-    column of its width; 'tile': M x (width*N) tensor; 'scalar': runtime float;
-    'table': 2-D tensor T of shape (R, P) read as T[row % R, col % P].
-    """
+    """An input the epilogue reads besides the accumulator: its kind is one of
+    ``primitives.OPERAND_KINDS`` ('row', 'col', 'tile', 'scalar', 'table'), its width the
+    column space it lives in (None for kinds that are the same along a row)."""
 
     name: str
     kind: str
     width: Fraction | None = None
 
+    @property
+    def is_tensor(self) -> bool:
+        """Whether a call passes a tensor for it (else a Python float)."""
+        return OPERAND_KINDS[self.kind].is_tensor
+
+    @property
+    def staging(self) -> str:
+        """How the kernel brings its values to the epilogue (``primitives.STAGINGS``)."""
+        return OPERAND_KINDS[self.kind].staging
+
     def describe(self) -> str:
-        shape = {
-            "row": "(M,)",
-            "col": f"({width_str(self.width)},)",
-            "tile": f"(M, {width_str(self.width)})",
-            "scalar": "runtime float",
-            "table": f"(R, P), read as T[row % R, col % P], col in {width_str(self.width)}",
-        }[self.kind]
-        return f"{self.name}: {self.kind} {shape}"
+        return f"{self.name}: {self.kind} {OPERAND_KINDS[self.kind].describe(self.width)}"
 
 
 @dataclass(frozen=True)
@@ -371,9 +305,9 @@ class Program:
         seen: dict[str, str] = {}
         for op in self.operands:
             check_name(op.name, "operand")
-            if op.kind not in OPERAND_KINDS:
+            if not isinstance(op.kind, str) or op.kind not in OPERAND_KINDS:
                 raise ProgramError(f"operand {op.name!r}: unknown kind {op.kind!r}")
-            if (op.width is None) != (op.kind in ("row", "scalar")) or (op.width is not None and op.width not in WIDTHS):
+            if (op.width is None) != (OPERAND_KINDS[op.kind].width is None) or (op.width is not None and op.width not in WIDTHS):
                 raise ProgramError(
                     f"operand {op.name!r} ({op.kind}) has width {width_str(op.width)}; per-row vectors and scalars "
                     "have none, the others are N/2, N or 2N wide"
@@ -508,7 +442,7 @@ def index_operands(program: "Program") -> dict[str, tuple[tuple[str, Fraction | 
     found: dict[str, set] = {}
     for node in program.nodes:
         for arg in node.args:
-            if not reads_as_index(node, arg) or program.operand(arg.attrs[0]).kind not in ("row", "col"):
+            if not reads_as_index(node, arg) or not OPERAND_KINDS[program.operand(arg.attrs[0]).kind].holds_indices:
                 continue
             for other in node.args:
                 for coord in _walk([other]) if other is not arg else ():

@@ -28,45 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from .arguments import Problem, bind
-from .program import COMPARISONS, Node, Program, reads_as_index
+from .primitives import COMPARISONS, ELEMENTWISE, OPERAND_KINDS
+from .program import Node, Program, reads_as_index
 
 _IDENTITY = {"sum": 0.0, "sumsq": 0.0, "max": -math.inf, "maxabs": 0.0}
-
-# One rule per elementwise op (program.ELEMENTWISE); ints stay ints where the op allows.
-ELEMENTWISE_RULES = {
-    "add": torch.add,
-    "sub": torch.sub,
-    "mul": torch.mul,
-    "div": lambda x, y: torch.div(x.float(), y.float()),
-    "floordiv": lambda x, y: torch.div(x, y, rounding_mode="floor"),
-    "mod": torch.remainder,
-    "minimum": torch.minimum,
-    "maximum": torch.maximum,
-    "neg": torch.neg,
-    "abs": torch.abs,
-    "square": torch.square,
-    "exp": lambda x: torch.exp(x.float()),
-    "log": lambda x: torch.log(x.float()),
-    "sqrt": lambda x: torch.sqrt(x.float()),
-    "rsqrt": lambda x: torch.rsqrt(x.float()),
-    "tanh": lambda x: torch.tanh(x.float()),
-    "sigmoid": lambda x: torch.sigmoid(x.float()),
-    "relu": lambda x: torch.relu(x.float()),
-    "gelu": lambda x: F.gelu(x.float()),
-    "gelu_tanh": lambda x: F.gelu(x.float(), approximate="tanh"),
-    "silu": lambda x: F.silu(x.float()),
-    "lt": torch.lt,
-    "le": torch.le,
-    "gt": torch.gt,
-    "ge": torch.ge,
-    "eq": torch.eq,
-    "ne": torch.ne,
-    "and_": torch.logical_and,
-    "or_": torch.logical_or,
-    "not_": torch.logical_not,
-    "where": torch.where,
-}
-
 
 @dataclass
 class ReferenceResult:
@@ -165,26 +130,15 @@ class _Evaluator:
         if op in COMPARISONS:  # an int32 operand compared with a coordinate: as integers, exactly
             args = [self.load(arg, as_index=True) if reads_as_index(node, arg) else value
                     for arg, value in zip(node.args, args)]
-        return ELEMENTWISE_RULES[op](*args)
+        return ELEMENTWISE[op].reference(*args)
 
     def load(self, node: Node, as_index: bool = False) -> torch.Tensor:
         name = node.attrs[0]
         op, value = self.p.program.operand(name), self.p.operands[name]
-        dev = self.acc.device
-        if op.kind == "scalar":
-            return torch.tensor(value, dtype=torch.float32, device=dev)
-        if not (as_index and not value.dtype.is_floating_point):
+        if isinstance(value, torch.Tensor) and not (as_index and not value.dtype.is_floating_point):
             value = value.float()  # operand values are fp32, as in the kernel
-        if op.kind == "row":
-            return value[:, None]
-        if op.kind == "col":
-            return value[None, :]
-        if op.kind == "tile":
-            return value
-        rows, period = value.shape  # table: T[row % R, col % P]
-        r = torch.arange(self.p.m, device=dev) % rows
-        c = torch.arange(self.p.cols(op.width), device=dev) % period
-        return value[r[:, None], c[None, :]]
+        cols = None if op.width is None else self.p.cols(op.width)
+        return OPERAND_KINDS[op.kind].read(value, self.p.m, cols, self.acc.device)
 
 
 def _reduce_dim(x: torch.Tensor, kind: str, dim: int) -> torch.Tensor:

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from . import reference
-from .arguments import Problem, _aligned, _bind_scalar, _row_stride_ok, bind, check_kernel_arguments, check_outputs
+from .arguments import Problem, _aligned, _row_stride_ok, bind, check_kernel_arguments, check_outputs
 from .arguments import short_dtype
 from .config import DEFAULT_SWIZZLE, GPUS, KernelConfig
 from .errors import ArgumentError, ProgramError, UnsupportedError
 from .lower import fits_shared_memory, lower, tables_in_segment_reductions
+from .primitives import check_scalar
 from .program import Program
 
 _GPU_NAMES = {"H200": "H200", "H100 PCIe": "H100-PCIe", "H100": "H100", "H800": "H800", "H20": "H20"}
@@ -214,8 +215,8 @@ class CallPlan:
             args += [partials[name], finished[name]]
         for op in self.program.operands:
             value = operands[op.name]
-            if op.kind == "scalar":  # a value, not part of the signature: checked every call
-                args.append(_bind_scalar(op, value))
+            if not op.is_tensor:  # a value, not part of the signature: checked every call
+                args.append(check_scalar(op, value))
                 continue
             shape = self.reshape[op.name]
             args.append(value if value.shape == shape else value.reshape(shape))

@@ -16,6 +16,7 @@ from coda_cute import library
 from coda_cute.config import KernelConfig
 from coda_cute.derive import derive
 from coda_cute.lower import lower
+from coda_cute.primitives import ELEMENTWISE
 from coda_cute.reference import evaluate
 
 from random_programs import random_program
@@ -223,3 +224,26 @@ def test_derived_backward_compiles_for_sm90a(name, tmp_path):
     sass = compiled.artifacts["sass"].read_text()
     assert "HGMMA" in sass and "UTMASTG" in sass
     assert compiled.spill_bytes == 0
+
+
+def _one_op_program(name):
+    """D = op(acc, y): every differentiable op of the registry on its own (positive y, x where
+    the op needs a positive argument)."""
+    op = ELEMENTWISE[name]
+
+    def body(acc, y: cc.Tile):
+        x = cc.sqrt(acc * acc + 0.5) if name in ("log", "sqrt", "rsqrt") else acc
+        args = {1: (x,), 2: (x, y), 3: (x > y, x, y)}[op.arity]
+        fn = getattr(cc, name, None) or {"add": lambda a, b: a + b, "sub": lambda a, b: a - b,
+                                        "mul": lambda a, b: a * b, "div": lambda a, b: a / b,
+                                        "neg": lambda a: -a, "abs": abs}[name]
+        return fn(*args)
+
+    body.__name__ = f"only_{name.rstrip('_')}"
+    return cc.epilogue(body)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, op in ELEMENTWISE.items() if op.typing in ("arith", "float", "select")))
+def test_every_differentiable_op_rule(name):
+    """Each op's derivative rule (its entry in primitives.py) against autograd of its reference."""
+    _check(_one_op_program(name), seed=len(name))

@@ -13,7 +13,8 @@ import pytest
 
 import coda_cute as cc
 from coda_cute import library
-from coda_cute.program import ELEMENTWISE, REDUCTIONS
+from coda_cute.primitives import ELEMENTWISE
+from coda_cute.program import REDUCTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 

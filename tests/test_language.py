@@ -13,7 +13,8 @@ import torch
 
 import coda_cute as cc
 from coda_cute import library
-from coda_cute.program import ELEMENTWISE, REDUCTIONS, Program
+from coda_cute.primitives import ELEMENTWISE
+from coda_cute.program import REDUCTIONS, Program
 
 HALF, ONE, TWO = Fraction(1, 2), Fraction(1), Fraction(2)
 
