@@ -77,6 +77,11 @@ class ElementwiseOp:
         return len(self.args)
 
 
+def _real(x: torch.Tensor) -> torch.Tensor:
+    """x as a floating tensor: integers (coordinates) become fp32, fp32 and fp64 stay."""
+    return x if x.is_floating_point() else x.float()
+
+
 # Derivative rules (read by derive.py): rule(g, args, y, cc) -> one gradient per argument (None:
 # none), where g is the gradient of the result y, args and y are program values, and cc is the
 # language (coda_cute.frontend) for the functions a rule calls.  Conventions are torch's.
@@ -120,7 +125,7 @@ ELEMENTWISE: dict[str, ElementwiseOp] = {op.name: op for op in [
                   derivative=lambda g, a, y, cc: (g, -g)),
     ElementwiseOp("mul", _XY, "arith", torch.mul, "{0} * {1}", operator="*", keeps_zero=True,
                   derivative=lambda g, a, y, cc: (g * a[1], g * a[0])),
-    ElementwiseOp("div", _XY, "float", lambda x, y: torch.div(x.float(), y.float()), "{0} / {1}", operator="/",
+    ElementwiseOp("div", _XY, "float", lambda x, y: torch.div(_real(x), _real(y)), "{0} / {1}", operator="/",
                   derivative=lambda g, a, y, cc: (g / a[1], -(g * y) / a[1])),
     ElementwiseOp("floordiv", _XY, "int", lambda x, y: torch.div(x, y, rounding_mode="floor"),
                   "({0} - ((({0} % {1}) + {1}) % {1})) // {1}", operator="//",  # floor semantics, as in Python
@@ -139,35 +144,35 @@ ELEMENTWISE: dict[str, ElementwiseOp] = {op.name: op for op in [
                   derivative=lambda g, a, y, cc: (cc.where(a[0] > 0.0, g, cc.where(a[0] < 0.0, -g, 0.0)),)),
     ElementwiseOp("square", _X, "arith", torch.square, "{0} * {0}", keeps_zero=True, doc="x * x (also x ** 2).",
                   derivative=lambda g, a, y, cc: (2.0 * a[0] * g,)),
-    ElementwiseOp("exp", _X, "float", lambda x: torch.exp(x.float()), "cute.math.exp({0}, fastmath=True)",
+    ElementwiseOp("exp", _X, "float", lambda x: torch.exp(_real(x)), "cute.math.exp({0}, fastmath=True)",
                   doc="e ** x.",
                   derivative=lambda g, a, y, cc: (g * y,)),
-    ElementwiseOp("log", _X, "float", lambda x: torch.log(x.float()), "cute.math.log({0}, fastmath=True)",
+    ElementwiseOp("log", _X, "float", lambda x: torch.log(_real(x)), "cute.math.log({0}, fastmath=True)",
                   doc="Natural logarithm.",
                   derivative=lambda g, a, y, cc: (g / a[0],)),
-    ElementwiseOp("sqrt", _X, "float", lambda x: torch.sqrt(x.float()), "cute.math.sqrt({0})", doc="Square root.",
+    ElementwiseOp("sqrt", _X, "float", lambda x: torch.sqrt(_real(x)), "cute.math.sqrt({0})", doc="Square root.",
                   derivative=lambda g, a, y, cc: (0.5 * g / y,)),
-    ElementwiseOp("rsqrt", _X, "float", lambda x: torch.rsqrt(x.float()), "cute.math.rsqrt({0})",
+    ElementwiseOp("rsqrt", _X, "float", lambda x: torch.rsqrt(_real(x)), "cute.math.rsqrt({0})",
                   doc="1 / sqrt(x).",
                   derivative=lambda g, a, y, cc: (-0.5 * g * y * y * y,)),
-    ElementwiseOp("tanh", _X, "float", lambda x: torch.tanh(x.float()), "cute.math.tanh({0})",
+    ElementwiseOp("tanh", _X, "float", lambda x: torch.tanh(_real(x)), "cute.math.tanh({0})",
                   doc="Hyperbolic tangent.",
                   derivative=lambda g, a, y, cc: (g * (1.0 - y * y),)),
-    ElementwiseOp("sigmoid", _X, "float", lambda x: torch.sigmoid(x.float()), "sigmoid({0})", helpers=("sigmoid",),
+    ElementwiseOp("sigmoid", _X, "float", lambda x: torch.sigmoid(_real(x)), "sigmoid({0})", helpers=("sigmoid",),
                   doc="1 / (1 + exp(-x)).",
                   derivative=lambda g, a, y, cc: (g * y * (1.0 - y),)),
-    ElementwiseOp("relu", _X, "float", lambda x: torch.relu(x.float()), "cute.math.max({0}, 0.0)", keeps_zero=True,
+    ElementwiseOp("relu", _X, "float", lambda x: torch.relu(_real(x)), "cute.math.max({0}, 0.0)", keeps_zero=True,
                   doc="max(x, 0).",
                   derivative=lambda g, a, y, cc: (cc.where(a[0] > 0.0, g, 0.0),)),
-    ElementwiseOp("gelu", _X, "float", lambda x: F.gelu(x.float()),
+    ElementwiseOp("gelu", _X, "float", lambda x: F.gelu(_real(x)),
                   "0.5 * {0} * (1.0 + cute.math.erf({0} * 0.7071067811865476))",
                   doc="GELU, exact: x * Phi(x) with the normal distribution's CDF.",
                   derivative=_d_gelu),
-    ElementwiseOp("gelu_tanh", _X, "float", lambda x: F.gelu(x.float(), approximate="tanh"),
+    ElementwiseOp("gelu_tanh", _X, "float", lambda x: F.gelu(_real(x), approximate="tanh"),
                   "0.5 * {0} * (1.0 + cute.math.tanh(0.7978845608028654 * ({0} + 0.044715 * {0} * {0} * {0})))",
                   doc="GELU, tanh approximation (PyTorch's approximate='tanh').",
                   derivative=_d_gelu_tanh),
-    ElementwiseOp("silu", _X, "float", lambda x: F.silu(x.float()), "{0} * sigmoid({0})", helpers=("sigmoid",),
+    ElementwiseOp("silu", _X, "float", lambda x: F.silu(_real(x)), "{0} * sigmoid({0})", helpers=("sigmoid",),
                   doc="x * sigmoid(x).",
                   derivative=_d_silu),
     ElementwiseOp("lt", _XY, "compare", torch.lt, "{0} < {1}", operator="<",

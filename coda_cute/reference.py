@@ -54,24 +54,32 @@ def _full_precision_matmul():
 
 
 def evaluate(program: Program, a: torch.Tensor, b: torch.Tensor, operands: dict | None = None,
-             *, tile: tuple[int, int] = (128, 128)) -> ReferenceResult:
-    """Run ``program`` on ``acc = a @ b.T``; ``tile`` only shapes the reduction partials."""
-    return evaluate_problem(bind(program, a, b, operands), tile=tile)
+             *, tile: tuple[int, int] = (128, 128), precision: torch.dtype = torch.float32) -> ReferenceResult:
+    """Run ``program`` on ``acc = a @ b.T``; ``tile`` only shapes the reduction partials.
+
+    ``precision=torch.float64`` evaluates every value in fp64 and returns the outputs unrounded
+    (in fp64): a check of math, e.g. derived gradients against autograd.  The program's own
+    casts (``.to(bf16)`` inside it) still round."""
+    return evaluate_problem(bind(program, a, b, operands), tile=tile, precision=precision)
 
 
-def evaluate_problem(problem: Problem, *, tile: tuple[int, int] = (128, 128)) -> ReferenceResult:
+def evaluate_problem(problem: Problem, *, tile: tuple[int, int] = (128, 128),
+                     precision: torch.dtype = torch.float32) -> ReferenceResult:
     """``evaluate`` of arguments already bound (``arguments.bind``)."""
+    if precision not in (torch.float32, torch.float64):
+        raise ValueError(f"precision {precision}: expected torch.float32 (the kernels') or torch.float64")
     program, a, b = problem.program, problem.a, problem.b
     with _full_precision_matmul():
-        acc = problem.a.float() @ problem.b.float().t()
+        acc = problem.a.to(precision) @ problem.b.to(precision).t()
     values = _Evaluator(problem, acc).run()
     result = ReferenceResult(acc=acc)
+    exact = precision == torch.float64
     for out in program.outputs:
         value = values[id(out.node)]
         cols = problem.cols(out.node.width)
-        full = value.expand(problem.m, cols).float()
+        full = value.expand(problem.m, cols).to(precision)
         if not out.is_reduction:
-            stored = full.to(problem.storage_dtype(out.dtype))
+            stored = full if exact else full.to(problem.storage_dtype(out.dtype))
             result.outputs[out.name] = stored.reshape(*problem.batch_shape, cols)
             continue
         dim = 1 if out.axis == "row" else 0
@@ -85,8 +93,11 @@ def evaluate_problem(problem: Problem, *, tile: tuple[int, int] = (128, 128)) ->
 
 
 class _Evaluator:
+    """Every node's value, in the accumulator's precision (fp32, or fp64 for checks of math)."""
+
     def __init__(self, problem: Problem, acc: torch.Tensor):
         self.p, self.acc, self.values = problem, acc, {}
+        self.real = acc.dtype
 
     def run(self) -> dict:
         for node in self.p.program.nodes:
@@ -105,7 +116,7 @@ class _Evaluator:
             return self.acc
         if op == "const":
             value = node.attrs[0]
-            return torch.tensor(value, dtype=torch.int32 if node.dtype == "i32" else torch.float32, device=dev)
+            return torch.tensor(value, dtype=torch.int32 if node.dtype == "i32" else self.real, device=dev)
         if op == "row":
             return torch.arange(p.m, dtype=torch.int32, device=dev)[:, None]
         if op == "col":
@@ -113,7 +124,7 @@ class _Evaluator:
         if op == "load":
             return self.load(node)
         if op == "cast":
-            return args[0].to(p.storage_dtype(node.attrs[0])).float()
+            return args[0].to(p.storage_dtype(node.attrs[0])).to(self.real)
         if op == "pair":
             x = self.full(args[0], node.args[0].width)
             return x[:, node.attrs[0]::2]
@@ -123,7 +134,7 @@ class _Evaluator:
             return torch.stack([even, odd], dim=-1).reshape(even.shape[0], 2 * even.shape[1])
         if op == "segreduce":
             kind, seg = node.attrs
-            x = self.full(args[0], node.width).float()
+            x = self.full(args[0], node.width).to(self.real)
             rows, cols = x.shape
             per_segment = _reduce_dim(x.reshape(rows, cols // seg, seg), kind, 2)
             return per_segment.repeat_interleave(seg, dim=1)
@@ -136,9 +147,10 @@ class _Evaluator:
         name = node.attrs[0]
         op, value = self.p.program.operand(name), self.p.operands[name]
         if isinstance(value, torch.Tensor) and not (as_index and not value.dtype.is_floating_point):
-            value = value.float()  # operand values are fp32, as in the kernel
+            value = value.to(self.real)  # operand values are fp32, as in the kernel
         cols = None if op.width is None else self.p.cols(op.width)
-        return OPERAND_KINDS[op.kind].read(value, self.p.m, cols, self.acc.device)
+        read = OPERAND_KINDS[op.kind].read(value, self.p.m, cols, self.acc.device)
+        return read.to(self.real) if read.is_floating_point() else read
 
 
 def _reduce_dim(x: torch.Tensor, kind: str, dim: int) -> torch.Tensor:

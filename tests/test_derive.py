@@ -1,9 +1,10 @@
 """Derived backward programs against torch.autograd of the forward reference.
 
-For each forward program: the reference interpreter runs it with autograd on fresh random
-inputs, the loss is sum(output * upstream) over every output, and torch.autograd gives the
-gradients of the accumulator and the operands; the derived backward program, run by the same
-interpreter on the same upstream gradients, must give them too (fp32, element by element).
+For each forward program: the reference interpreter runs it in float64 with autograd on fresh
+random inputs, the loss is sum(output * upstream) over every output, and torch.autograd gives
+the gradients of the accumulator and the operands; the derived backward program, run by the
+same interpreter in float64 on the same upstream gradients, must give them too, element by
+element (to 1e-6: the inputs are fp32 tensors, so autograd's gradients end rounded to fp32).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from coda_cute.reference import evaluate
 from random_programs import random_program
 
 M, N = 24, 32  # N: the forward's accumulator columns
+F64 = torch.float64
 FORWARD_LIBRARY = ["gemm", "bias_gelu", "alpha_beta", "swiglu", "swiglu_save", "rms_swiglu_save", "residual_sumsq",
                    "rms_scale", "rms_scale_gamma", "qk_rmsnorm", "cross_entropy_stats", "cross_entropy_stats_save"]
 SEGMENT_N = 256  # qk_rmsnorm's 128-column segments need wider tiles
@@ -59,21 +61,21 @@ def _check(program, seed, n=N, **options):
     for op in program.operands:
         if op.kind in ("row", "col", "tile") and operands[op.name].is_floating_point():
             leaves[op.name] = grad_inputs[op.name] = operands[op.name].clone().requires_grad_(True)
-    forward = evaluate(program, grad_inputs["acc"], _identity(n), leaves)
+    forward = evaluate(program, grad_inputs["acc"], _identity(n), leaves, precision=F64)
     # bf16-exact upstream gradients: autograd rounds a gradient reaching a bf16 output to bf16,
     # which the derived program (a cast passes the gradient through) does not
-    upstream = {name: torch.randn(forward.outputs[name].shape, generator=gen).bfloat16().float()
+    upstream = {name: torch.randn(forward.outputs[name].shape, generator=gen).bfloat16().double()
                 for name in d.upstream}
     loss = sum((forward.outputs[name].float() * g).sum() for name, g in upstream.items())
     targets = list(grad_inputs)
     truth = dict(zip(targets, torch.autograd.grad(loss, [grad_inputs[t] for t in targets], allow_unused=True)))
 
     # the backward, on the values training would hand it
-    saved = evaluate(d.forward, x, _identity(n), operands).outputs
+    saved = {k: v.float() for k, v in evaluate(d.forward, x, _identity(n), operands, precision=F64).outputs.items()}
     given = {}
     for op in d.backward.operands:
         if op.name.startswith("d_") and op.name[2:] in upstream:
-            given[op.name] = upstream[op.name[2:]]
+            given[op.name] = upstream[op.name[2:]].float()  # bf16-exact
         elif op.name in operands:
             given[op.name] = operands[op.name]
         else:
@@ -83,9 +85,9 @@ def _check(program, seed, n=N, **options):
             given[name] = value.item()
     if d.accumulator == "upstream":
         g = upstream[d.grad_of]
-        result = evaluate(d.backward, g, _identity(g.shape[1]), given)
+        result = evaluate(d.backward, g.float(), _identity(g.shape[1]), given, precision=F64)
     else:
-        result = evaluate(d.backward, x, _identity(n), given)
+        result = evaluate(d.backward, x, _identity(n), given, precision=F64)
     grads = d.assemble(result.outputs)
 
     for name in targets:
@@ -95,7 +97,7 @@ def _check(program, seed, n=N, **options):
             continue
         got = grads.get(name, torch.zeros_like(expected))
         scale = expected.abs().max().item() + 1.0
-        torch.testing.assert_close(got.float(), expected.float(), rtol=2e-4, atol=2e-4 * scale,
+        torch.testing.assert_close(got.double(), expected.double(), rtol=1e-6, atol=1e-6 * scale,
                                    msg=lambda m: f"{program.name}: d {name}: {m}")
     return d
 

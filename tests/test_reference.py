@@ -782,3 +782,21 @@ def test_qk_rmsnorm_is_a_per_head_rmsnorm(gen, dtype):
     d_eps = cc.evaluate(prog.with_constants(eps=1.0), a, b, {"gamma": gamma}).outputs["D"]
     normed = q / torch.sqrt(q.pow(2).mean(-1, keepdim=True) + 1.0)
     close(flat(d_eps), stored(normed.reshape(M, -1) * gamma.double(), dtype), STORED[dtype])
+
+
+def test_float64_precision_for_checks_of_math():
+    """precision=torch.float64: every value in fp64, outputs unrounded; casts in the program still round."""
+    import coda_cute as cc
+
+    @cc.epilogue
+    def rounded(acc):
+        return {"D": acc * (1.0 / 3.0), "E": (acc * (1.0 / 3.0)).to(cc.bf16).to(cc.f32), "S": cc.row_sum(acc)}
+
+    a, b = torch.randn(8, 16), torch.randn(24, 16)
+    out = cc.evaluate(rounded, a, b, precision=torch.float64).outputs
+    exact = a.double() @ b.double().t()
+    assert out["D"].dtype == torch.float64 and torch.equal(out["D"], exact * (1.0 / 3.0))
+    assert torch.equal(out["E"], (exact / 3.0).to(torch.bfloat16).double())
+    assert torch.allclose(out["S"], exact.sum(1), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="precision"):
+        cc.evaluate(rounded, a, b, precision=torch.float16)
