@@ -27,11 +27,6 @@ def environment() -> jinja2.Environment:
     )
 
 
-def template_source(arch: str) -> str:
-    """The template text a kernel for ``arch`` is rendered from (hashed into cache keys)."""
-    return (resource_dir("templates") / TEMPLATES[arch]).read_text()
-
-
 def emit_command(program: Program, config: KernelConfig) -> str:
     """The CLI line that regenerates this kernel (printed in its header)."""
     parts = [f"coda-cute emit {program.name} --arch {config.arch} --gpu {config.gpu} --dtype {config.dtype}",
