@@ -287,10 +287,10 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
         ctx.host_params.append(dict(name=final, annotation="cute.Tensor", doc=f"{final} {result} f32"))
         ctx.kernel_params.append(part)
         ctx.kernel_param_decls.append(f"{part}: cute.Tensor")
-        if out.reduce != "logsumexp":  # the finishing kernel's fold over the tiles
-            fold = dict(identity=_IDENTITY[out.reduce], fold=_combine(out.reduce, "total", "%s"))
-        else:
-            fold = {}
+        # the finishing kernel's helper and its fold over the tiles: sums of squares add as sums do
+        fold = dict(helper="finish_" + {"sumsq": "sum"}.get(out.reduce, out.reduce))
+        if out.reduce != "logsumexp":
+            fold.update(identity=_IDENTITY[out.reduce], fold=_combine(out.reduce, "total", "%s"))
         ctx.helpers.add("where")  # the finishing kernel masks the tiles past the last
         ctx.finishes.append(dict(name=out.name, kind=out.reduce, part=part, out=final, shape=shape, **fold,
                                  label=f"{out.axis}_{out.reduce}({out.node.describe()})",

@@ -152,8 +152,9 @@ def _longest_load_run(sass: str) -> int:
 
 
 def test_reductions_are_finished_by_a_second_kernel_launched_as_a_dependent():
-    """One finishing branch per reduction, with the kind's fold; the GEMM's host function launches
-    it with programmatic dependent launch, and a program without reductions has none of it."""
+    """One finishing branch per reduction, calling one helper per kind of fold; the GEMM's host
+    function launches it with programmatic dependent launch, and a program without reductions
+    has none of it."""
     source = emit(library.get("cross_entropy_stats"), KernelConfig())
     host = source[source.index("    def __call__("):source.index("    @cute.kernel")]
     finish = source[source.index("    def finish("):]
@@ -161,8 +162,11 @@ def test_reductions_are_finished_by_a_second_kernel_launched_as_a_dependent():
     assert "grid=[cute.ceil_div(finish_values, 32), 2, 1]" in host
     assert finish.count("cute.arch.griddepcontrol_wait()") == 1
     assert "if which == 0:" in finish and "elif which == 1:" in finish and "which == 2" not in finish
-    assert "logsumexp_merge(run_max, run_sum, tile_max, tile_sum)" in finish  # lse
-    assert "total = total + where(t < tiles, part_target_logit[(clamped, col)], 0.0)" in finish  # target_logit
+    assert "self.finish_logsumexp(part_lse, out_lse, " in finish  # lse
+    assert "self.finish_sum(part_target_logit, out_target_logit, " in finish  # target_logit
+    assert finish.count("    def finish_") == 2
+    assert "logsumexp_merge(run_max, run_sum, tile_max, tile_sum)" in finish
+    assert "total = total + where(t < tiles, part[(clamped, col)], 0.0)" in finish
     assert "griddepcontrol" not in source[:source.index("    def finish(")].replace("griddepcontrol.wait", "")
     plain = emit(library.get("bias_gelu"), KernelConfig())
     assert "def finish(" not in plain and "FINISH_WARPS" not in plain and "use_pdl" not in plain
