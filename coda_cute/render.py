@@ -51,7 +51,7 @@ def docstring_text(line: str) -> str:
     return escaped.replace('"""', '\\"\\"\\"')
 
 
-def render(ctx: Context, config: KernelConfig | None = None) -> str:
+def render(ctx: Context) -> str:
     """The module's source.  Every text from the user reaches it through here: the program is
     validated again (names and hints are identifiers, constants numbers) and its listing, which
     quotes the docstring, is escaped for the module docstring."""

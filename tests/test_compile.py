@@ -585,7 +585,7 @@ def test_int32_class_indices_compile_and_are_compared_as_integers(name, tmp_path
     program = library.get(name)
     config = KernelConfig(tile=(128, 256), cluster=(1, 2), operand_dtypes=(("target", "i32"),))
     source = emit(program, config)
-    assert "cute.struct.MemRange[cutlass.Int32, 128]" in source
+    assert "cute.struct.MemRange[cutlass.Int32, TILE_M]" in source
     assert re.search(r"= v_col\w* == view_in_target\[pair0\]$", source, re.M), "compared as Int32, no conversion"
     assert "cutlass.Float32(view_in_target" not in source and "v_target" not in source
     compiled = compile_program(program, config, keep=("sass",), dump_dir=tmp_path / "dump",

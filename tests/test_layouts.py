@@ -165,7 +165,7 @@ def test_ring_views_of_32_bit_2n_tiles(config):
     columns 2c and 2c + 1; only 16-bit ones move as 64-bit words."""
     source = emit(library.get("swiglu_bwd"), config)
     assert "view_in_preact__0 = " in source and "view_in_preact__1 = " in source
-    assert "acc_view_of_ring(smem_in_preact, 32, 1, IN_STAGES)" in source  # the view of the pair's second column
+    assert "acc_view_of_ring(smem_in_preact, 2 * EPI_N, 1, IN_STAGES)" in source  # the view of the pair's second column
     assert _check_ring_views(source, "2N", "IN_STAGES") > 0
     if config.schedule == "cooperative":  # the whole kernel, once (the GPU test runs both)
         compile_program(library.get("swiglu_bwd"), config)
@@ -302,7 +302,7 @@ def test_column_exchange_parks_each_columns_warp_total_in_its_slot(config, kind)
     cute.compile(probe, options="--gpu-arch sm_90a")
     assert sorted(set(column.values())) == list(range(epi_n))
 
-    lines = _warp_column_exchange(kind, "red", epi_n, 0)
+    lines = _warp_column_exchange(kind, "red", epi_n)
     split = next(i for i, line in enumerate(lines) if line.startswith(("value =", "if ctidx %")))
     lanes = torch.arange(32)
     start = torch.randint(-50, 50, (values, 32), generator=torch.Generator().manual_seed(epi_n)).double()
