@@ -140,7 +140,8 @@ class Context:
         RoPE's epilogue in Nsight Compute.)"""
         if not self.tables:
             return []
-        lines = ["for m_block in cutlass.range_constexpr(mma_m):",
+        lines = ["gather_stage = gather_subtile % 2  # the fragments' stage for that subtile",
+                 "for m_block in cutlass.range_constexpr(mma_m):",
                  "    for j in cutlass.range_constexpr(gather_subtile * (EPI_N // 8), (gather_subtile + 1) * (EPI_N // 8)):",
                  "        for h in cutlass.range_constexpr(2):",
                  "            row_in_tile, col_in_tile = tCcAcc[((0, h, j), m_block, 0)]",
@@ -150,7 +151,7 @@ class Context:
         for t in self.tables:
             for k, col in enumerate(t["cols"]):
                 slot = _table_slot(len(t["cols"]), k)
-                lines.append(f"            {t['frag']}[({slot}, gather_subtile % 2)] = {_table_read(t['gmem'], col)}")
+                lines.append(f"            {t['frag']}[({slot}, gather_stage)] = {_table_read(t['gmem'], col)}")
         return lines
 
 
@@ -587,7 +588,7 @@ class _Body:
             head.append("row = row0 + " + ("row_in_tile" if uses["col"] else "tCcAcc[pair0][0]"))
         if uses["col"]:
             col = "col_in_tile" if uses["row"] else "tCcAcc[pair0][1]"
-            head.append(f"col = col0 + {col}  # accumulator column of the pair's first element")
+            head.append(f"col = col0 + {col}  # the pair's first accumulator column")
         self.lines[:0] = head
 
     # -- values
@@ -690,7 +691,7 @@ class _Body:
         registers = f"2 * mma_m * {per_tile}" if per_tile > 1 else "2 * mma_m"
         ctx = self.ctx
         ctx.segments.append(reg)
-        lines = [f"# {node.describe()}: per row and column segment of {seg}, over the whole tile"]
+        lines = [f"# {node.describe()}: per row and {seg}-column segment, over the whole tile"]
         if kind == "logsumexp":
             ctx.helpers.update({"where", "logsumexp"})
             lines += [f"{reg}_max = cute.make_rmem_tensor(({registers},), cutlass.Float32)",
@@ -713,8 +714,9 @@ class _Body:
         if kind == "logsumexp":
             lines += [f"    top, total = {reg}_max[k], {reg}[k]",
                       "    for offset in cutlass.range_constexpr(1, 3):",
-                      "        top, total = logsumexp_merge(top, total, cute.arch.shuffle_sync_bfly(top, offset=offset),"
-                      " cute.arch.shuffle_sync_bfly(total, offset=offset))",
+                      "        other_top = cute.arch.shuffle_sync_bfly(top, offset=offset)",
+                      "        other_total = cute.arch.shuffle_sync_bfly(total, offset=offset)",
+                      "        top, total = logsumexp_merge(top, total, other_top, other_total)",
                       f"    {reg}[k] = top + cute.math.log(total, fastmath=True)"]
         else:
             combine = _combine(kind, "total", "cute.arch.shuffle_sync_bfly(total, offset=offset)")
@@ -812,19 +814,21 @@ class _Body:
                                   f"{reg}__sum = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)",
                                   f"{reg}__sum.fill(0.0)"]
             # the running pair is read and written once per column pair, folding in each lane
-            running = f"{reg}__max[m_block * 2 + h], {reg}__sum[m_block * 2 + h]"
-            for k, (lane, ok) in enumerate(zip(lanes, valid)):
-                source = running if k == 0 else "run_max, run_sum"
-                target = running if k == len(lanes) - 1 else "run_max, run_sum"
-                self.lines.append(f"{target} = logsumexp_update({source}, where({ok}, {lane}, -float(\"inf\")))")
+            self.lines += [f"run_max = {reg}__max[m_block * 2 + h]", f"run_sum = {reg}__sum[m_block * 2 + h]"]
+            for lane, ok in zip(lanes, valid):
+                self.lines.append(f"run_max, run_sum = logsumexp_update(run_max, run_sum, "
+                                  f"where({ok}, {lane}, -float(\"inf\")))")
+            self.lines += [f"{reg}__max[m_block * 2 + h] = run_max", f"{reg}__sum[m_block * 2 + h] = run_sum"]
             ctx.tile_epilogue += [
                 f"# {out.name}: combine the 4 threads of each row, write this tile's (max, sum of exp)",
                 "for m_block in cutlass.range_constexpr(mma_m):",
                 "    for h in cutlass.range_constexpr(2):",
-                f"        row_max, row_sum = {reg}__max[m_block * 2 + h], {reg}__sum[m_block * 2 + h]",
+                f"        row_max = {reg}__max[m_block * 2 + h]",
+                f"        row_sum = {reg}__sum[m_block * 2 + h]",
                 "        for offset in cutlass.range_constexpr(1, 3):",
-                "            row_max, row_sum = logsumexp_merge(row_max, row_sum,"
-                " cute.arch.shuffle_sync_bfly(row_max, offset=offset), cute.arch.shuffle_sync_bfly(row_sum, offset=offset))",
+                "            other_max = cute.arch.shuffle_sync_bfly(row_max, offset=offset)",
+                "            other_sum = cute.arch.shuffle_sync_bfly(row_sum, offset=offset)",
+                "            row_max, row_sum = logsumexp_merge(row_max, row_sum, other_max, other_sum)",
                 "        row = row0 + tCcAcc[((0, h, 0), m_block, 0)][0]",
                 "        if ctidx % 4 == 0 and row < M and col0 < N:  # a cluster may own a tile past N: no partial",
                 f"            part_{out.name}[(0, tile_n, row)] = row_max",
@@ -868,7 +872,8 @@ class _Body:
             term = _reduce_term(kind, lane)
             slot_expr = f"{reg}[(j % (EPI_N // 8)) * 2{f' + {e}' if e else ''}]"
             self.lines.append(f"{slot_expr} = {_combine(kind, slot_expr, f'where(row < M, {term}, {identity})')}")
-        ctx.subtile_compute_end += [f"# {out.name}: combine the 8 threads of each column in a warp, park the warp's sums in smem",
+        ctx.subtile_compute_end += [f"# {out.name}: combine the 8 threads of each column in a warp,",
+                                    "# then park each warp's column sums in smem (col_scratch)",
                                     *_warp_column_exchange(kind, reg, ctx.epi_n, offset)]
         gather = _combine(kind, "total", f"col_scratch[{offset + ' + ' if offset else ''}warp * EPI_N + ctidx]")
         ctx.subtile_epilogue += [
@@ -916,7 +921,7 @@ def _warp_column_exchange(kind: str, reg: str, epi_n: int, offset: str = "") -> 
                       f"{reg}[0] = {_combine(kind, f'{reg}[0]', f'cute.arch.shuffle_sync_bfly({reg}[0], offset={step})')}"]
     spread = 32 // values  # lanes holding the same value index
     place = [f"value = ctidx % 32 // {spread}  # which of this thread's values it now holds",
-             "# value k of a thread lies 8 * (k // 2) + k % 2 columns past its first (the WGMMA fragment)",
+             "# its value k lies 8 * (k // 2) + k % 2 columns past its first (the WGMMA fragment)",
              "col_in_subtile = tCcAcc[((0, 0, subtile * (EPI_N // 8)), 0, 0)][1] - subtile * EPI_N + 8 * (value // 2) + value % 2",
              f"col_scratch[{offset + ' + ' if offset else ''}(ctidx // 32) * EPI_N + col_in_subtile] = {reg}[0]"]
     if spread > 4:

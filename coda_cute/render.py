@@ -11,6 +11,7 @@ from .config import KernelConfig
 from .library import resource_dir
 from .lower import TABLE_SLOT, Context, lower
 from .program import Program
+from .wrap import WIDTH, fit_code, wrap_command, wrap_items, wrap_prose
 
 TEMPLATES = {"sm_90a": "sm90_gemm.py.j2"}
 
@@ -54,21 +55,24 @@ def docstring_text(line: str) -> str:
 def render(ctx: Context) -> str:
     """The module's source.  Every text from the user reaches it through here: the program is
     validated again (names and hints are identifiers, constants numbers) and its listing, which
-    quotes the docstring, is escaped for the module docstring."""
+    quotes the docstring, is escaped for the module docstring.  Lines are at most WIDTH
+    characters: the docstring's are wrapped here, code lines by the template or by fit_code."""
     config = ctx.config
     ctx.program.validate()
     template = environment().get_template(TEMPLATES[config.arch])
-    return template.render(
+    listing = [docstring_text(line) for line in ctx.program.describe().splitlines()]
+    return fit_code(template.render(
         version=__version__,
-        command=emit_command(ctx.program, config),
-        program_listing=[docstring_text(line) for line in ctx.program.describe().splitlines()],
+        command_lines=wrap_command(emit_command(ctx.program, config), indent=4),
+        program_listing=[part for line in listing for part in wrap_prose(line, WIDTH - 4)],
+        call_lines=wrap_items(f"Call ({ctx.class_name}.__call__): {ctx.call_signature}"),
         fast_tiles=ctx.fast_tiles,
         inputs_in_registers=ctx.inputs_in_registers,
         table_gather=ctx.table_gather(),
         table_slot=TABLE_SLOT,
         uses=ctx.uses,
         **vars(ctx),
-    )
+    ))
 
 
 def emit(program: Program, config: KernelConfig | None = None) -> str:

@@ -49,7 +49,10 @@ def _check_fragment_slots(source: str) -> int:
     import cutlass.cute as cute
 
     kernel = import_source(source, SOURCE_DIR)
-    slot_expr = re.search(r"^\s*slot0 = (.+)$", source, re.M).group(1)  # the body's own formula
+    lines = source[re.search(r"^\s*slot0 = ", source, re.M).end():].splitlines()
+    slot_expr = lines.pop(0)  # the body's own formula, joined where it spans lines
+    while slot_expr.count("(") > slot_expr.count(")"):
+        slot_expr += " " + lines.pop(0).strip()
     slot_of = eval(f"lambda h, j, m_block, mma_m, EPI_N: {slot_expr}")  # our template's text, not user input
     threads = [t for t in THREADS if t < kernel.TILE_THREADS]
     checked = []
@@ -148,7 +151,7 @@ def _check_ring_views(source: str, width: str, stage_count: str) -> int:
 def test_ring_views_put_each_accumulator_column_in_its_ring_column(name, config):
     source = emit(library.get(name), config)
     width = "N/2" if name == "swiglu" else "2N words"
-    stage_counts = set(re.findall(r"acc_view_of_ring\((?:[^()]|\([^()]*\))*, (EPI_STAGES|IN_STAGES)\)", source))
+    stage_counts = set(re.findall(r"acc_view_of_ring\((?:[^()]|\([^()]*\))*, (EPI_STAGES|IN_STAGES),?\s*\)", source))
     assert stage_counts, "no ring view in the emitted source"
     if width == "2N words":
         assert "ring_as_words(" in source, "2N-wide bf16 tiles no longer move as 64-bit words"
