@@ -15,7 +15,8 @@ the generator (``config`` to ``cache``: a program becomes a compiled kernel), th
 - ``library``    the ready programs in ``epilogues/``, and where the shipped folders are;
 - ``config``     what a kernel is specialized for (arch, GPU, dtypes, majors, tile, cluster);
 - ``lower``      program + config -> the template's context (per-lane epilogue code);
-- ``render``     the Jinja template (``templates/``) -> one standalone CuTe-DSL module;
+- ``wrap``       line wrapping of the emitted module (code and docstring, 100 columns);
+- ``render``     the Jinja templates (``templates/``) -> one standalone CuTe-DSL module;
 - ``compile``    ``cute.compile`` of that module, with or without a GPU, plus PTX/SASS;
 - ``cache``      compiled kernels in memory and on disk, keyed by everything that matters,
                  and the worker pool that fills the disk ahead of time (``precompile``);

@@ -105,7 +105,8 @@ class Context:
         RoPE's epilogue in Nsight Compute.)"""
         if not self.tables:
             return []
-        lines = ["for m_block in cutlass.range_constexpr(mma_m):",
+        lines = ["gather_stage = gather_subtile % 2  # the fragments' stage for that subtile",
+                 "for m_block in cutlass.range_constexpr(mma_m):",
                  "    for j in cutlass.range_constexpr(gather_subtile * (EPI_N // 8), (gather_subtile + 1) * (EPI_N // 8)):",
                  "        for h in cutlass.range_constexpr(2):",
                  "            row_in_tile, col_in_tile = tCcAcc[((0, h, j), m_block, 0)]",
@@ -115,7 +116,7 @@ class Context:
         for t in self.tables:
             for k, col in enumerate(t["cols"]):
                 slot = _table_slot(len(t["cols"]), k)
-                lines.append(f"            {t['frag']}[({slot}, gather_subtile % 2)] = {_table_read(t['gmem'], col)}")
+                lines.append(f"            {t['frag']}[({slot}, gather_stage)] = {_table_read(t['gmem'], col)}")
         return lines
 
 
@@ -259,10 +260,10 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
         ctx.host_params.append(dict(name=final, annotation="cute.Tensor", doc=f"{final} {result} f32"))
         ctx.kernel_params.append(part)
         ctx.kernel_param_decls.append(f"{part}: cute.Tensor")
-        if out.reduce != "logsumexp":  # the finishing kernel's fold over the tiles
-            fold = dict(identity=_IDENTITY[out.reduce], fold=_combine(out.reduce, "total", "%s"))
-        else:
-            fold = {}
+        # the finishing kernel's helper and its fold over the tiles: sums of squares add as sums do
+        fold = dict(helper="finish_" + {"sumsq": "sum"}.get(out.reduce, out.reduce))
+        if out.reduce != "logsumexp":
+            fold.update(identity=_IDENTITY[out.reduce], fold=_combine(out.reduce, "total", "%s"))
         ctx.helpers.add("where")  # the finishing kernel masks the tiles past the last
         ctx.finishes.append(dict(name=out.name, kind=out.reduce, part=part, out=final, shape=shape, **fold,
                                  label=f"{out.axis}_{out.reduce}({out.node.describe()})",
@@ -322,22 +323,39 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
     ctx.epi_load_bytes = sum(tile_m * t["cols"] * DTYPE_BYTES[t["dtype"]] for t in ctx.tile_inputs)
     if ctx.col_reductions:
         ctx.col_scratch_elems = len(ctx.col_reductions) * (_tile_threads(config) // 32) * ctx.epi_n
+    # the widths the template writes, in the kernel's constants: a subtile's columns, a tile's
+    for t in ctx.tile_outputs + ctx.tile_inputs:
+        t["cols_expr"], t["tile_cols"] = _scaled("EPI_N", t["width"]), _scaled("TILE_N", t["width"])
+    for v in ctx.vectors:
+        v["elems_expr"] = "TILE_M" if v["is_row"] else _scaled("TILE_N", v["width"])
     # views through accumulator coordinates (see acc_view_of_ring / acc_view_of_vector)
     for t in ctx.tile_outputs + ctx.tile_inputs:
         if t["fast"]:
             continue  # N-wide tiles go through stmatrix / ldmatrix fragments instead
         if _uses_words(t["width"], t["dtype"]):  # 2N wide, 16-bit: one 64-bit word per column pair
-            words = t["cols"] // 4
+            words = _scaled("EPI_N", t["width"] / 4)
             ctx.views.append(dict(name=t["view"], expr=f"acc_view_of_ring(ring_as_words({t['smem']}, "
                                                        f"{t['smem']}__layout), {words}, 0, {t['stages']})"))
             continue
         for lane in _view_lanes(t["width"]):
             ctx.views.append(dict(name=t["view"] + lane,
-                                  expr=f"acc_view_of_ring({t['smem']}, {t['cols']}, {lane.lstrip('_') or 0}, {t['stages']})"))
+                                  expr=f"acc_view_of_ring({t['smem']}, {t['cols_expr']}, {lane.lstrip('_') or 0}, {t['stages']})"))
     for v in ctx.vectors:
         for lane in ([""] if v["is_row"] else _view_lanes(v["width"])):
             ctx.views.append(dict(name=v["view"] + lane,
-                                  expr=f"acc_view_of_vector({v['smem']}, {v['is_row']}, {v['elems']}, {lane.lstrip('_') or 0})"))
+                                  expr=f"acc_view_of_vector({v['smem']}, {v['is_row']}, {v['elems_expr']}, {lane.lstrip('_') or 0})"))
+
+
+def _scaled(base: str, factor: Fraction) -> str:
+    """``base`` (a constant of the kernel, a multiple of 8) times ``factor``, as the kernel writes it."""
+    if factor == 1:
+        return base
+    return f"{base} // {factor.denominator}" if factor < 1 else f"{factor.numerator} * {base}"
+
+
+def _times(count: int, expr: str) -> str:
+    """``count`` times ``expr``, without a factor of 1."""
+    return expr if count == 1 else f"{count} * {expr}"
 
 
 def _mma_blocks(config: KernelConfig) -> int:
@@ -528,8 +546,8 @@ class _Body:
             self.emit(node)
         for out in self.program.tile_outputs:
             self.store(out)
-        for i, out in enumerate(self.program.reductions):
-            (self.row_reduction if out.axis == "row" else self.col_reduction)(out, i)
+        for out in self.program.reductions:
+            (self.row_reduction if out.axis == "row" else self.col_reduction)(out)
         self.add_coordinates()
 
     def add_coordinates(self) -> None:
@@ -542,7 +560,7 @@ class _Body:
             head.append("row = row0 + " + ("row_in_tile" if uses["col"] else "tCcAcc[pair0][0]"))
         if uses["col"]:
             col = "col_in_tile" if uses["row"] else "tCcAcc[pair0][1]"
-            head.append(f"col = col0 + {col}  # accumulator column of the pair's first element")
+            head.append(f"col = col0 + {col}  # the pair's first accumulator column")
         self.lines[:0] = head
 
     # -- values
@@ -639,20 +657,23 @@ class _Body:
             inner.emit(sub)
         inner.add_coordinates()
         lanes = inner.lanes[id(node.args[0])]
-        slot = f"{reg}[(m_block * 2 + h) * {per_tile} + j // {groups}]"
+        # one register per row and segment; a tile-wide segment (j // groups is 0) needs no column term
+        column = f"j // {groups}" if groups > 1 else "j"
+        slot = f"{reg}[(m_block * 2 + h) * {per_tile} + {column}]" if per_tile > 1 else f"{reg}[m_block * 2 + h]"
+        registers = f"2 * mma_m * {per_tile}" if per_tile > 1 else "2 * mma_m"
         ctx = self.ctx
         ctx.segments.append(reg)
-        lines = [f"# {node.describe()}: per row and column segment of {seg}, over the whole tile"]
+        lines = [f"# {node.describe()}: per row and {seg}-column segment, over the whole tile"]
         if kind == "logsumexp":
             ctx.helpers.update({"where", "logsumexp"})
-            lines += [f"{reg}_max = cute.make_rmem_tensor((2 * mma_m * {per_tile},), cutlass.Float32)",
+            lines += [f"{reg}_max = cute.make_rmem_tensor(({registers},), cutlass.Float32)",
                       f"{reg}_max.fill(-float(\"inf\"))",
-                      f"{reg} = cute.make_rmem_tensor((2 * mma_m * {per_tile},), cutlass.Float32)",
+                      f"{reg} = cute.make_rmem_tensor(({registers},), cutlass.Float32)",
                       f"{reg}.fill(0.0)"]
             update = [f"{slot.replace(reg, reg + '_max')}, {slot} = logsumexp_update("
                       f"{slot.replace(reg, reg + '_max')}, {slot}, {lane})" for lane in lanes]
         else:
-            lines += [f"{reg} = cute.make_rmem_tensor((2 * mma_m * {per_tile},), cutlass.Float32)",
+            lines += [f"{reg} = cute.make_rmem_tensor(({registers},), cutlass.Float32)",
                       f"{reg}.fill({_IDENTITY[kind]})"]
             update = [f"{slot} = {_combine(kind, slot, _reduce_term(kind, lane))}" for lane in lanes]
         lines += ["for m_block in cutlass.range_constexpr(mma_m):",
@@ -661,12 +682,13 @@ class _Body:
                   "            pair0 = ((0, h, j), m_block, 0)",
                   "            pair1 = ((1, h, j), m_block, 0)"]
         lines += ["            " + line for line in inner.lines + update]
-        lines += [f"for k in cutlass.range_constexpr(2 * mma_m * {per_tile}):  # the 4 threads of a row share it"]
+        lines += [f"for k in cutlass.range_constexpr({registers}):  # the 4 threads of a row share it"]
         if kind == "logsumexp":
             lines += [f"    top, total = {reg}_max[k], {reg}[k]",
                       "    for offset in cutlass.range_constexpr(1, 3):",
-                      "        top, total = logsumexp_merge(top, total, cute.arch.shuffle_sync_bfly(top, offset=offset),"
-                      " cute.arch.shuffle_sync_bfly(total, offset=offset))",
+                      "        other_top = cute.arch.shuffle_sync_bfly(top, offset=offset)",
+                      "        other_total = cute.arch.shuffle_sync_bfly(total, offset=offset)",
+                      "        top, total = logsumexp_merge(top, total, other_top, other_total)",
                       f"    {reg}[k] = top + cute.math.log(total, fastmath=True)"]
         else:
             combine = _combine(kind, "total", "cute.arch.shuffle_sync_bfly(total, offset=offset)")
@@ -749,7 +771,7 @@ class _Body:
         return {HALF: ["col < N"], ONE: ["col < N", "col + 1 < N"],
                 TWO: ["col < N", "col < N", "col + 1 < N", "col + 1 < N"]}[width]
 
-    def row_reduction(self, out, index: int) -> None:
+    def row_reduction(self, out) -> None:
         ctx, reg, kind = self.ctx, f"red_{out.name}", out.reduce
         lanes = self.lanes[id(out.node)]
         valid = self._valid_cols(out.node.width)
@@ -761,19 +783,21 @@ class _Body:
                                   f"{reg}__sum = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)",
                                   f"{reg}__sum.fill(0.0)"]
             # the running pair is read and written once per column pair, folding in each lane
-            running = f"{reg}__max[m_block * 2 + h], {reg}__sum[m_block * 2 + h]"
-            for k, (lane, ok) in enumerate(zip(lanes, valid)):
-                source = running if k == 0 else "run_max, run_sum"
-                target = running if k == len(lanes) - 1 else "run_max, run_sum"
-                self.lines.append(f"{target} = logsumexp_update({source}, where({ok}, {lane}, -float(\"inf\")))")
+            self.lines += [f"run_max = {reg}__max[m_block * 2 + h]", f"run_sum = {reg}__sum[m_block * 2 + h]"]
+            for lane, ok in zip(lanes, valid):
+                self.lines.append(f"run_max, run_sum = logsumexp_update(run_max, run_sum, "
+                                  f"where({ok}, {lane}, -float(\"inf\")))")
+            self.lines += [f"{reg}__max[m_block * 2 + h] = run_max", f"{reg}__sum[m_block * 2 + h] = run_sum"]
             ctx.tile_epilogue += [
                 f"# {out.name}: combine the 4 threads of each row, write this tile's (max, sum of exp)",
                 "for m_block in cutlass.range_constexpr(mma_m):",
                 "    for h in cutlass.range_constexpr(2):",
-                f"        row_max, row_sum = {reg}__max[m_block * 2 + h], {reg}__sum[m_block * 2 + h]",
+                f"        row_max = {reg}__max[m_block * 2 + h]",
+                f"        row_sum = {reg}__sum[m_block * 2 + h]",
                 "        for offset in cutlass.range_constexpr(1, 3):",
-                "            row_max, row_sum = logsumexp_merge(row_max, row_sum,"
-                " cute.arch.shuffle_sync_bfly(row_max, offset=offset), cute.arch.shuffle_sync_bfly(row_sum, offset=offset))",
+                "            other_max = cute.arch.shuffle_sync_bfly(row_max, offset=offset)",
+                "            other_sum = cute.arch.shuffle_sync_bfly(row_sum, offset=offset)",
+                "            row_max, row_sum = logsumexp_merge(row_max, row_sum, other_max, other_sum)",
                 "        row = row0 + tCcAcc[((0, h, 0), m_block, 0)][0]",
                 "        if ctidx % 4 == 0 and row < M and col0 < N:  # a cluster may own a tile past N: no partial",
                 f"            part_{out.name}[(0, tile_n, row)] = row_max",
@@ -804,28 +828,28 @@ class _Body:
             f"            part_{out.name}[(tile_n, row)] = total",
         ]
 
-    def col_reduction(self, out, index: int) -> None:
+    def col_reduction(self, out) -> None:
         ctx, reg, kind = self.ctx, f"red_{out.name}", out.reduce
         slot = ctx.col_reductions.index(out.name)
         identity = _IDENTITY[kind]
         lanes = self.lanes[id(out.node)]
-        warps = _tile_threads(self.config) // 32  # the warps that compute one tile
-        offset = slot * warps * ctx.epi_n
+        offset = _times(slot, "(TILE_THREADS // 32) * EPI_N") if slot else ""  # where its scratch starts
         ctx.helpers.add("where")
         ctx.subtile_prologue += [f"{reg} = cute.make_rmem_tensor((EPI_N // 4,), cutlass.Float32)", f"{reg}.fill({identity})"]
         self.lines.append(f"# {out.name}: per-column {kind} of {out.node.describe()}, this thread's rows")
         for e, lane in enumerate(lanes):
             term = _reduce_term(kind, lane)
-            slot_expr = f"{reg}[(j % (EPI_N // 8)) * 2 + {e}]"
+            slot_expr = f"{reg}[(j % (EPI_N // 8)) * 2{f' + {e}' if e else ''}]"
             self.lines.append(f"{slot_expr} = {_combine(kind, slot_expr, f'where(row < M, {term}, {identity})')}")
-        ctx.subtile_compute_end += [f"# {out.name}: combine the 8 threads of each column in a warp, park the warp's sums in smem",
+        ctx.subtile_compute_end += [f"# {out.name}: combine the 8 threads of each column in a warp,",
+                                    "# then park each warp's column sums in smem (col_scratch)",
                                     *_warp_column_exchange(kind, reg, ctx.epi_n, offset)]
-        gather = _combine(kind, "total", f"col_scratch[{offset} + warp * EPI_N + ctidx]")
+        gather = _combine(kind, "total", f"col_scratch[{offset + ' + ' if offset else ''}warp * EPI_N + ctidx]")
         ctx.subtile_epilogue += [
             f"# {out.name}: combine the warps, write this tile's partial for the subtile's columns",
             "if ctidx < EPI_N:",
             f"    total = {identity}",
-            f"    for warp in cutlass.range_constexpr({warps}):",
+            "    for warp in cutlass.range_constexpr(TILE_THREADS // 32):",
             f"        total = {gather}",
             "    global_col = col0 + subtile * EPI_N + ctidx",
             "    if global_col < N and row0 < M:  # a cluster may own a tile past M: no partial",
@@ -833,9 +857,10 @@ class _Body:
         ]
 
 
-def _warp_column_exchange(kind: str, reg: str, epi_n: int, offset: int) -> list[str]:
+def _warp_column_exchange(kind: str, reg: str, epi_n: int, offset: str = "") -> list[str]:
     """Lines that fold a subtile's column values (`reg`, EPI_N // 4 per thread) over the 8 threads
-    sharing each column (lanes 4 apart) and store each column's warp total in `col_scratch`.
+    sharing each column (lanes 4 apart) and store each column's warp total in `col_scratch`,
+    from `offset` (an expression; "" for its start).
 
     Each exchange halves what a thread holds: lanes `step` apart split the values, each keeps one
     half, folds in its partner's copy of that half, and hands over the other.  With 8 values that
@@ -865,9 +890,9 @@ def _warp_column_exchange(kind: str, reg: str, epi_n: int, offset: int) -> list[
                       f"{reg}[0] = {_combine(kind, f'{reg}[0]', f'cute.arch.shuffle_sync_bfly({reg}[0], offset={step})')}"]
     spread = 32 // values  # lanes holding the same value index
     place = [f"value = ctidx % 32 // {spread}  # which of this thread's values it now holds",
-             "# value k of a thread lies 8 * (k // 2) + k % 2 columns past its first (the WGMMA fragment)",
+             "# its value k lies 8 * (k // 2) + k % 2 columns past its first (the WGMMA fragment)",
              "col_in_subtile = tCcAcc[((0, 0, subtile * (EPI_N // 8)), 0, 0)][1] - subtile * EPI_N + 8 * (value // 2) + value % 2",
-             f"col_scratch[{offset} + (ctidx // 32) * EPI_N + col_in_subtile] = {reg}[0]"]
+             f"col_scratch[{offset + ' + ' if offset else ''}(ctidx // 32) * EPI_N + col_in_subtile] = {reg}[0]"]
     if spread > 4:
         place = [f"if ctidx % {spread} < 4:", *("    " + line for line in place)]
     return lines + place

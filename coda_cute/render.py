@@ -12,6 +12,7 @@ from .library import resource_dir
 from .lower import TABLE_SLOT, Context, lower
 from .program import Program
 from .version import __version__
+from .wrap import WIDTH, fit_code, wrap_command, wrap_items, wrap_prose
 
 TEMPLATES = {"sm_90a": "sm90_gemm.py.j2"}
 
@@ -26,11 +27,6 @@ def environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,
     )
-
-
-def template_source(arch: str) -> str:
-    """The template text a kernel for ``arch`` is rendered from (hashed into cache keys)."""
-    return (resource_dir("templates") / TEMPLATES[arch]).read_text()
 
 
 def program_reference(program: Program) -> str | None:
@@ -51,8 +47,7 @@ def emit_command(program: Program, config: KernelConfig, reference: str | None =
     command names the program (default ``program_reference``)."""
     reference = reference or program_reference(program)
     if reference is None:
-        return ("coda_cute.render.emit(program, config)  (the program was built in Python where no command "
-                "can name it: define it at a module's top level to get a command here)")
+        return "coda_cute.render.emit(program, config): no command names a program built this way"
     parts = [f"coda-cute emit {reference} --arch {config.arch} --gpu {config.gpu} --dtype {config.dtype}",
              f"--majors {config.majors} --tile {config.tile[0]}x{config.tile[1]}",
              f"--cluster {config.cluster[0]}x{config.cluster[1]} --schedule {config.schedule} --swizzle {config.swizzle}"]
@@ -75,24 +70,27 @@ def docstring_text(line: str) -> str:
     return escaped.replace('"""', '\\"\\"\\"')
 
 
-def render(ctx: Context, config: KernelConfig | None = None, *, reference: str | None = None) -> str:
+def render(ctx: Context, *, reference: str | None = None) -> str:
     """The module's source.  Every text from the user reaches it through here: the program is
     validated again (names and hints are identifiers, constants numbers) and its listing, which
-    quotes the docstring, is escaped for the module docstring."""
+    quotes the docstring, is escaped for the module docstring.  Lines are at most WIDTH
+    characters: the docstring's are wrapped here, code lines by the template or by fit_code."""
     config = ctx.config
     ctx.program.validate()
     template = environment().get_template(TEMPLATES[config.arch])
-    return template.render(
+    listing = [docstring_text(line) for line in ctx.program.describe().splitlines()]
+    return fit_code(template.render(
         version=__version__,
-        command=emit_command(ctx.program, config, reference),
-        program_listing=[docstring_text(line) for line in ctx.program.describe().splitlines()],
+        command_lines=wrap_command(emit_command(ctx.program, config, reference), indent=4),
+        program_listing=[part for line in listing for part in wrap_prose(line, WIDTH - 4)],
+        call_lines=wrap_items(f"Call ({ctx.class_name}.__call__): {ctx.call_signature}"),
         fast_tiles=ctx.fast_tiles,
         inputs_in_registers=ctx.inputs_in_registers,
         table_gather=ctx.table_gather(),
         table_slot=TABLE_SLOT,
         uses=ctx.uses,
         **vars(ctx),
-    )
+    ))
 
 
 def emit(program: Program, config: KernelConfig | None = None, *, reference: str | None = None) -> str:

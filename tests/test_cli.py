@@ -40,8 +40,10 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def header_command(source: str) -> list[str]:
-    """The regenerating command an emitted kernel prints in its header, as argv."""
-    lines = [line.strip() for line in source.splitlines()[:20] if line.strip().startswith("coda-cute emit ")]
+    """The regenerating command an emitted kernel prints in its header (continued over lines
+    ending in a backslash, as in a shell), as argv."""
+    header = source[:source.index("\nThe program")].replace(" \\\n", " ")
+    lines = [line.strip() for line in header.splitlines() if line.strip().startswith("coda-cute emit ")]
     assert len(lines) == 1, "the header must print exactly one `coda-cute emit` line"
     return shlex.split(lines[0])
 

@@ -18,6 +18,26 @@ from coda_cute.runtime import runtime_defaults
 pytestmark = pytest.mark.compile
 
 
+def statements(source: str) -> list[str]:
+    """The emitted module's lines, with a statement wrapped over several lines (inside
+    brackets) joined into one, as it would read unwrapped."""
+    joined, current = [], None
+    for line in source.splitlines():
+        if current is None:
+            current = line
+        else:
+            part = line.strip()
+            if part.startswith((")", "]", "}")):
+                current = current.removesuffix(",")
+            current += "" if current.endswith(("(", "[", "{")) or part.startswith((")", "]", "}")) else " "
+            current += part
+        code = current.split("  #", 1)[0]
+        if sum(code.count(c) for c in "([{") == sum(code.count(c) for c in ")]}"):
+            joined.append(current)
+            current = None
+    return joined
+
+
 def _lowerable(config):
     names = []
     for name, program in library.programs().items():
@@ -152,8 +172,9 @@ def _longest_load_run(sass: str) -> int:
 
 
 def test_reductions_are_finished_by_a_second_kernel_launched_as_a_dependent():
-    """One finishing branch per reduction, with the kind's fold; the GEMM's host function launches
-    it with programmatic dependent launch, and a program without reductions has none of it."""
+    """One finishing branch per reduction, calling one helper per kind of fold; the GEMM's host
+    function launches it with programmatic dependent launch, and a program without reductions
+    has none of it."""
     source = emit(library.get("cross_entropy_stats"), KernelConfig())
     host = source[source.index("    def __call__("):source.index("    @cute.kernel")]
     finish = source[source.index("    def finish("):]
@@ -161,8 +182,11 @@ def test_reductions_are_finished_by_a_second_kernel_launched_as_a_dependent():
     assert "grid=[cute.ceil_div(finish_values, 32), 2, 1]" in host
     assert finish.count("cute.arch.griddepcontrol_wait()") == 1
     assert "if which == 0:" in finish and "elif which == 1:" in finish and "which == 2" not in finish
-    assert "logsumexp_merge(run_max, run_sum, tile_max, tile_sum)" in finish  # lse
-    assert "total = total + where(t < tiles, part_target_logit[(clamped, col)], 0.0)" in finish  # target_logit
+    assert "self.finish_logsumexp(part_lse, out_lse, " in finish  # lse
+    assert "self.finish_sum(part_target_logit, out_target_logit, " in finish  # target_logit
+    assert finish.count("    def finish_") == 2
+    assert "logsumexp_merge(run_max, run_sum, tile_max, tile_sum)" in finish
+    assert "total = total + where(t < tiles, part[(clamped, col)], 0.0)" in finish
     assert "griddepcontrol" not in source[:source.index("    def finish(")].replace("griddepcontrol.wait", "")
     plain = emit(library.get("bias_gelu"), KernelConfig())
     assert "def finish(" not in plain and "FINISH_WARPS" not in plain and "use_pdl" not in plain
@@ -218,7 +242,8 @@ def test_persistent_grid_is_bounded_by_the_sm_count(tmp_path):
             module = import_source(emit(library.get("gemm"), config), tmp_path)
             ctas = module.MAX_ACTIVE_CLUSTERS * module.CLUSTER_M * module.CLUSTER_N
             assert ctas <= module.SM_COUNT == GPUS[gpu]
-            assert "get_grid_shape(scheduler_params, MAX_ACTIVE_CLUSTERS)" in emit(library.get("gemm"), config)
+            source = "\n".join(statements(emit(library.get("gemm"), config)))
+            assert "get_grid_shape(scheduler_params, MAX_ACTIVE_CLUSTERS)" in source
 
 
 @pytest.mark.parametrize("config", [KernelConfig(), KernelConfig(tile=(64, 256), cluster=(1, 1)),
@@ -291,7 +316,7 @@ def test_row_sums_skip_the_column_mask_only_where_padding_is_zero():
         return {"D": y, "s": cc.row_sum(y)}
 
     def sum_lines(program):  # the lines that fold a value into a reduction register: red_x[i] = red_x[i] + ...
-        lines = emit(program, KernelConfig()).splitlines()
+        lines = lower(program, KernelConfig()).body
         return [line for line in lines if re.match(r"\s*(red_\w+\[[^=]*\]) = \1 ", line)]
 
     (line,) = sum_lines(library.get("residual_sumsq"))
@@ -581,7 +606,7 @@ def test_int32_class_indices_compile_and_are_compared_as_integers(name, tmp_path
     program = library.get(name)
     config = KernelConfig(tile=(128, 256), cluster=(1, 2), operand_dtypes=(("target", "i32"),))
     source = emit(program, config)
-    assert "cute.struct.MemRange[cutlass.Int32, 128]" in source
+    assert "cute.struct.MemRange[cutlass.Int32, TILE_M]" in source
     assert re.search(r"= v_col\w* == view_in_target\[pair0\]$", source, re.M), "compared as Int32, no conversion"
     assert "cutlass.Float32(view_in_target" not in source and "v_target" not in source
     compiled = compile_program(program, config, keep=("sass",), dump_dir=tmp_path / "dump",

@@ -49,7 +49,10 @@ def _check_fragment_slots(source: str) -> int:
     import cutlass.cute as cute
 
     kernel = import_source(source, SOURCE_DIR)
-    slot_expr = re.search(r"^\s*slot0 = (.+)$", source, re.M).group(1)  # the body's own formula
+    lines = source[re.search(r"^\s*slot0 = ", source, re.M).end():].splitlines()
+    slot_expr = lines.pop(0)  # the body's own formula, joined where it spans lines
+    while slot_expr.count("(") > slot_expr.count(")"):
+        slot_expr += " " + lines.pop(0).strip()
     slot_of = eval(f"lambda h, j, m_block, mma_m, EPI_N: {slot_expr}")  # our template's text, not user input
     threads = [t for t in THREADS if t < kernel.TILE_THREADS]
     checked = []
@@ -148,7 +151,7 @@ def _check_ring_views(source: str, width: str, stage_count: str) -> int:
 def test_ring_views_put_each_accumulator_column_in_its_ring_column(name, config):
     source = emit(library.get(name), config)
     width = "N/2" if name == "swiglu" else "2N words"
-    stage_counts = set(re.findall(r"acc_view_of_ring\((?:[^()]|\([^()]*\))*, (EPI_STAGES|IN_STAGES)\)", source))
+    stage_counts = set(re.findall(r"acc_view_of_ring\((?:[^()]|\([^()]*\))*, (EPI_STAGES|IN_STAGES),?\s*\)", source))
     assert stage_counts, "no ring view in the emitted source"
     if width == "2N words":
         assert "ring_as_words(" in source, "2N-wide bf16 tiles no longer move as 64-bit words"
@@ -165,7 +168,7 @@ def test_ring_views_of_32_bit_2n_tiles(config):
     columns 2c and 2c + 1; only 16-bit ones move as 64-bit words."""
     source = emit(library.get("swiglu_bwd"), config)
     assert "view_in_preact__0 = " in source and "view_in_preact__1 = " in source
-    assert "acc_view_of_ring(smem_in_preact, 32, 1, IN_STAGES)" in source  # the view of the pair's second column
+    assert "acc_view_of_ring(smem_in_preact, 2 * EPI_N, 1, IN_STAGES)" in source  # the view of the pair's second column
     assert _check_ring_views(source, "2N", "IN_STAGES") > 0
     if config.schedule == "cooperative":  # the whole kernel, once (the GPU test runs both)
         compile_program(library.get("swiglu_bwd"), config)
@@ -302,7 +305,7 @@ def test_column_exchange_parks_each_columns_warp_total_in_its_slot(config, kind)
     cute.compile(probe, options="--gpu-arch sm_90a")
     assert sorted(set(column.values())) == list(range(epi_n))
 
-    lines = _warp_column_exchange(kind, "red", epi_n, 0)
+    lines = _warp_column_exchange(kind, "red", epi_n)
     split = next(i for i, line in enumerate(lines) if line.startswith(("value =", "if ctidx %")))
     lanes = torch.arange(32)
     start = torch.randint(-50, 50, (values, 32), generator=torch.Generator().manual_seed(epi_n)).double()

@@ -1,0 +1,83 @@
+"""The emitted kernel reads as written by hand: lines of at most 100 characters, the kernel's
+named constants where it has them, and no constant arithmetic left for the reader to fold."""
+
+import re
+
+import pytest
+
+from coda_cute import library
+from coda_cute.config import KernelConfig
+from coda_cute.errors import UnsupportedError
+from coda_cute.render import emit
+from coda_cute.wrap import WIDTH, fit
+
+CONFIGS = {
+    "default": KernelConfig(),
+    "pingpong128x128": KernelConfig(tile=(128, 128), cluster=(1, 1), schedule="pingpong"),
+    "coop128x256": KernelConfig(tile=(128, 256), cluster=(1, 2), schedule="cooperative"),
+    "coop64x256": KernelConfig(tile=(64, 256), cluster=(2, 1), schedule="cooperative"),
+    "rows256": KernelConfig(tile=(256, 128), cluster=(2, 1), schedule="cooperative"),
+    "mk_raster_n": KernelConfig(majors="mn", raster_along_m=False, swizzle=1),
+}
+
+# (what it is, a pattern that finds it in a line of the kernel)
+RESIDUE = [
+    ("a product with 0", re.compile(r"(?<![\w.])0 \* |\* 0(?![\w.])")),
+    ("a sum with 0", re.compile(r"(?<![\w.])0 \+ |\+ 0(?![\w.])")),
+    ("a product with 1", re.compile(r"(?<![\w.])1 \* |\* 1(?![\w.])")),
+    ("a division by 1", re.compile(r"// 1(?![\w.])")),
+    ("a literal subtile width", re.compile(r"\(TILE_M, \d+\)|epi_smem_layout\([\w.]+, \d+,")),
+    ("a literal vector length", re.compile(r"__i\d+ < \d|MemRange\[cutlass\.\w+, \d+\], 16\]|make_layout\(\d+\)\)$")),
+]
+
+
+def _sources():
+    for name, program in library.programs().items():
+        for label, config in CONFIGS.items():
+            try:
+                yield f"{name}--{label}", emit(program, config)
+            except UnsupportedError:
+                continue
+
+
+SOURCES = dict(_sources())
+
+
+def test_every_library_kernel_is_emitted_at_several_configurations():
+    assert len(SOURCES) >= 5 * len(library.programs())
+
+
+@pytest.mark.parametrize("kernel", sorted(SOURCES))
+def test_lines_fit_and_carry_no_residue(kernel):
+    source = SOURCES[kernel]
+    long = [f"{i}: {line}" for i, line in enumerate(source.splitlines(), 1) if len(line) > WIDTH]
+    assert not long, f"{kernel}: lines over {WIDTH} characters:\n" + "\n".join(long[:5])
+    for what, pattern in RESIDUE:
+        found = [f"{i}: {line.strip()}" for i, line in enumerate(source.splitlines(), 1) if pattern.search(line)]
+        assert not found, f"{kernel}: {what}:\n" + "\n".join(found[:5])
+    compile(source, kernel, "exec")  # wrapped, it still parses
+
+
+def test_wrapping_changes_only_whitespace():
+    """A wrapped statement is the same Python as the long line it came from."""
+    import ast
+
+    lines = [
+        ("red_x[m_block * 2 + h] = red_x[m_block * 2 + h] + where(col < N, v_a_0, 0.0)"
+         " + where(col + 1 < N, v_a_1, 0.0)", 32),
+        ("v_g_0 = 0.5 * v_x_0 * (1.0 + cute.math.tanh(0.7978845608028654 * (v_x_0 + 0.044715 * v_x_0"
+         " * v_x_0 * v_x_0)))", 32),
+        ("run_max, run_sum = logsumexp_update(run_max, run_sum, where(col + 1 < N, v_logits_1,"
+         ' -float("inf")))', 32),
+        ("col = col0 + tCcAcc[pair0][1]  # accumulator column of the pair's first element, and more", 32),
+        ("for j in cutlass.range_constexpr(gather_subtile * (EPI_N // 8), (gather_subtile + 1)"
+         " * (EPI_N // 8)):\n    pass", 24),
+    ]
+    for line, indent in lines:
+        head, _, rest = line.partition("\n")
+        wrapped = fit(head, indent)
+        assert all(len(part) <= WIDTH for part in (" " * indent + wrapped).splitlines()), wrapped
+        before, after = (ast.dump(ast.parse(text + ("\n" + rest if rest else "")))
+                         for text in (head, "\n".join(part.strip() if k == 0 else part[indent:]
+                                                      for k, part in enumerate(wrapped.splitlines()))))
+        assert before == after, wrapped
