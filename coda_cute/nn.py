@@ -51,7 +51,7 @@ from torch import nn
 
 from . import library
 from .errors import ArgumentError
-from .ops import library_op
+from .ops import library_op, trainable_chain
 
 
 def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -537,6 +537,38 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
             raise ArgumentError(f"target holds {target[wrong][0].item()}, outside [0, {weight.shape[0]}) and not "
                                 f"ignore_index ({ignore_index})")
     return _LinearCrossEntropy.apply(h, weight, target, ignore_index, reduction, save_logits)
+
+
+class EpilogueChain(nn.Module):
+    """Layers of your own programs, ``y_i = program_i(y_{i-1} @ W_i.T, operands_i)``, with the
+    weights as parameters, trained with derived backwards (``ops.trainable_chain``: each layer's
+    backward in the next layer's dgrad epilogue).
+
+    ``features``: each layer's GEMM output columns N_i; a layer's input width is the previous
+    layer's passed output (its first tile output: N/2 wide for a GLU).  The weights start as
+    ``randn / sqrt(fan_in)``.  Operands are given per call, one dict per layer.
+    """
+
+    def __init__(self, programs, in_features: int, features, *, device=None, dtype=torch.bfloat16):
+        super().__init__()
+        programs, features = list(programs), list(features)
+        if len(programs) != len(features):
+            raise ArgumentError(f"EpilogueChain: {len(programs)} programs but {len(features)} feature counts")
+        self.chain = trainable_chain(programs)
+        self.weights = nn.ParameterList()
+        width = in_features
+        for layer, n in zip(self.chain.layers, features):
+            passed = layer.program.tile_outputs[0].node.width * n
+            if passed.denominator != 1:
+                raise ArgumentError(f"EpilogueChain: {layer.program.name} passes on {passed} columns of {n}: "
+                                    "choose an even feature count")
+            weight = torch.randn(n, width, device=device, dtype=torch.float32) / width ** 0.5
+            self.weights.append(nn.Parameter(weight.to(dtype)))
+            width = int(passed)
+        self.out_features = width
+
+    def forward(self, x: torch.Tensor, operands=None):
+        return self.chain(x, list(self.weights), operands)
 
 
 def rms_norm_reference(h, gamma, eps):

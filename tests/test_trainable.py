@@ -180,3 +180,24 @@ def test_chain_arguments_are_checked():
         chain(x, [w, w], [{"bias": torch.randn(8)}, {}])
     with pytest.raises(cc.ProgramError, match="no tile output to pass on"):
         cc.ops.trainable_chain([library.get("cross_entropy_stats"), soft_cap])
+
+
+def test_epilogue_chain_module_trains_like_the_chain():
+    from coda_cute.nn import EpilogueChain
+
+    torch.manual_seed(0)
+    module = EpilogueChain([geglu, soft_cap, scaled_silu], in_features=16, features=[64, 16, 16],
+                           dtype=torch.float32)
+    assert [tuple(w.shape) for w in module.weights] == [(64, 16), (16, 32), (16, 16)]
+    x = torch.randn(12, 16)
+    operands = [{"rstd": torch.rand(12) + 0.5}, {"bias": torch.zeros(16)},
+                {"scale": torch.ones(16), "residual": torch.zeros(12, 16)}]
+    h, _ = module(x, operands)
+    h.square().sum().backward()
+    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in module.weights)
+    h_ref, _ = _chain_reference(x, [w.detach() for w in module.weights],
+                                [operands[0]["rstd"], operands[1]["bias"], operands[2]["scale"],
+                                 operands[2]["residual"]])
+    torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(cc.ArgumentError, match="2 programs but 1 feature"):
+        EpilogueChain([soft_cap, soft_cap], 8, [8])
