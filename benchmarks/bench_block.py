@@ -33,8 +33,10 @@ The JSON: {"meta": {date, gpu, torch, commit, command}, "rows": [...]}, a row pe
      "bar": {"best_compile": {metric: contender}, "wall_bar_ms", "gpu_bar_ms",
              <coda-cute contender>: {"under_wall", "under_gpu", "peak_ratio"}},
      "warm_up_s": {contender: s}, "dropped": {contender: why}}
-(contenders: coda-cute, coda-cute lean (LM), torch eager, torch.compile, torch.compile
-max-autotune-no-cudagraphs, Liger, floor; in --smoke only ms and spread are measured, the rest null).
+(contenders: coda-cute, coda-cute derived (MLP: the same math as two programs of the user's kind,
+trained with derived backwards through nn.EpilogueChain), coda-cute lean (LM), torch eager,
+torch.compile, torch.compile max-autotune-no-cudagraphs, Liger, floor; in --smoke only ms and
+spread are measured, the rest null).
 
 `--smoke` runs every contender on the CPU (bf16, d = 64, 64 tokens; coda-cute through its reference
 interpreter, torch.compile through the aot_eager backend, no Liger): no do_bench, profiler or memory
@@ -61,8 +63,11 @@ from torch.nn.functional import cross_entropy, scaled_dot_product_attention
 
 # this checkout's coda_cute (the commit the result file names), not another installed one
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import coda_cute as cc  # noqa: E402
+from coda_cute import library  # noqa: E402
 from coda_cute.nn import (  # noqa: E402
-    LlamaBlock, LlamaMLP, linear_cross_entropy, llama_attention_reference, llama_mlp_reference, split_gate_up,
+    EpilogueChain, LlamaBlock, LlamaMLP, linear_cross_entropy, llama_attention_reference, llama_mlp_reference,
+    split_gate_up,
 )
 
 # keyword arguments of the lean LM-head contender (saves the tokens x vocab logits); switch here to
@@ -262,6 +267,30 @@ def _mlp_gemms(x, w_gate_up, w_down, dy, a, dz):
     return gemms
 
 
+@cc.epilogue
+def rms_swiglu(acc, rstd: cc.RowVec):
+    """SwiGLU over interleaved gate/up columns of the row-normalized GEMM (gamma is on the input)."""
+    gate, up = cc.pairs(acc * rstd)
+    return cc.silu(gate) * up
+
+
+def _derived_mlp(mlp: LlamaMLP):
+    """The Llama MLP as a user would write it: two forward programs (rms_swiglu, then the library's
+    residual_sumsq), their backwards derived (nn.EpilogueChain), the norm's statistics and gamma
+    in PyTorch.  Shares `mlp`'s weights."""
+    d, ffn = mlp.w_down.shape
+    chain = EpilogueChain([rms_swiglu, library.get("residual_sumsq")], d, [2 * ffn, d],
+                          device=mlp.w_down.device, dtype=mlp.w_down.dtype)
+    chain.weights[0], chain.weights[1] = mlp.w_gate_up, mlp.w_down
+
+    def derived(x):
+        x2 = x.reshape(-1, d)
+        rstd = torch.rsqrt(x2.float().square().mean(-1) + mlp.eps)
+        h, _sumsq = chain(x2 * mlp.gamma, [{"rstd": rstd}, {"residual": x2}])
+        return h.reshape(x.shape)
+    return derived
+
+
 def mlp_case(b: Bench, d) -> Case:
     ffn, _, _ = b.shape(d)
     mlp = LlamaMLP(d, ffn, device=b.device, dtype=b.dtype)
@@ -273,7 +302,8 @@ def mlp_case(b: Bench, d) -> Case:
     tokens = b.batch * b.seq
     floor = _mlp_gemms(b.tensor(tokens, d), mlp.w_gate_up.detach(), mlp.w_down.detach(), b.tensor(tokens, d),
                        b.tensor(tokens, ffn), b.tensor(tokens, 2 * ffn))
-    c = {CODA: b.fwd_bwd(mlp, mlp.parameters(), check=True), EAGER: b.fwd_bwd(eager, p),
+    c = {CODA: b.fwd_bwd(mlp, mlp.parameters(), check=True),
+         f"{CODA} derived": b.fwd_bwd(_derived_mlp(mlp), mlp.parameters(), check=True), EAGER: b.fwd_bwd(eager, p),
          **b.compiled(eager, p, b.fwd_bwd)}
     if b.liger:
         c["Liger"] = b.fwd_bwd(_liger_mlp(b.liger, *p, mlp.eps), p, check=True)

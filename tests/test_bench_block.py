@@ -91,7 +91,7 @@ def test_smoke_run(bench, tmp_path):
     assert list(rows) == ["MLP", "block", "LM"]
     compiled = ["torch.compile", "torch.compile max-autotune-no-cudagraphs"]
     for case, row in rows.items():
-        ours = ["coda-cute", "coda-cute lean"] if case == "LM" else ["coda-cute"]
+        ours = {"LM": ["coda-cute", "coda-cute lean"], "MLP": ["coda-cute", "coda-cute derived"]}.get(case, ["coda-cute"])
         assert [k for k, v in row.items() if isinstance(v, dict) and "ms" in v] == [
             *ours, "torch eager", *compiled, "floor"]
         for name in ours:
