@@ -279,8 +279,8 @@ def _derived_mlp(mlp: LlamaMLP):
     residual_sumsq), their backwards derived (nn.EpilogueChain), the norm's statistics and gamma
     in PyTorch.  Shares `mlp`'s weights."""
     d, ffn = mlp.w_down.shape
-    chain = EpilogueChain([rms_swiglu, library.get("residual_sumsq")], d, [2 * ffn, d],
-                          device=mlp.w_down.device, dtype=mlp.w_down.dtype)
+    chain = EpilogueChain([rms_swiglu, library.get("residual_sumsq")], d, [2 * ffn, d], outputs=["D"],
+                          device=mlp.w_down.device, dtype=mlp.w_down.dtype)  # sumsq: a statistic
     chain.weights[0], chain.weights[1] = mlp.w_gate_up, mlp.w_down
 
     def derived(x):

@@ -546,15 +546,16 @@ class EpilogueChain(nn.Module):
 
     ``features``: each layer's GEMM output columns N_i; a layer's input width is the previous
     layer's passed output (its first tile output: N/2 wide for a GLU).  The weights start as
-    ``randn / sqrt(fan_in)``.  Operands are given per call, one dict per layer.
+    ``randn / sqrt(fan_in)``.  Operands are given per call, one dict per layer; ``outputs``: the
+    last layer's outputs whose gradient flows back (see ``trainable_chain``).
     """
 
-    def __init__(self, programs, in_features: int, features, *, device=None, dtype=torch.bfloat16):
+    def __init__(self, programs, in_features: int, features, *, outputs=None, device=None, dtype=torch.bfloat16):
         super().__init__()
         programs, features = list(programs), list(features)
         if len(programs) != len(features):
             raise ArgumentError(f"EpilogueChain: {len(programs)} programs but {len(features)} feature counts")
-        self.chain = trainable_chain(programs)
+        self.chain = trainable_chain(programs, outputs=outputs)
         self.weights = nn.ParameterList()
         width = in_features
         for layer, n in zip(self.chain.layers, features):

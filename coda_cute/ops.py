@@ -27,6 +27,7 @@ import torch
 from .derive import Derivative, derive
 from .errors import ArgumentError, ProgramError
 from .program import Program, index_operands
+from .reference import evaluate_accumulator
 from .runtime import Kernel
 
 _OPS: dict[str, object] = {}
@@ -132,7 +133,7 @@ def trainable(program: Program, *, wrt=None, outputs=None):
         if scalars:
             raise ProgramError(f"trainable({program.name}): scalar {scalars[0]!r} is a float at call time and has "
                                "no gradient; make it a RowVec or ColVec to learn it")
-    return _Trainable(_Chain([derive(program, wrt=wrt, outputs=outputs, accumulator="recompute")]))
+    return _Trainable(_Chain([_last_layer(program, wrt, outputs)]))
 
 
 class _Trainable:
@@ -159,7 +160,7 @@ class _Trainable:
         return f"<coda_cute trainable op {self.program.name}: {self.derivative.backward.name}>"
 
 
-def trainable_chain(programs):
+def trainable_chain(programs, *, outputs=None):
     """GEMM + epilogue layers in a row, ``y_i = program_i(y_{i-1} @ w_i.T, operands_i)``, as one
     differentiable operator ``f(x, weights, operands)`` (``operands``: one dict per layer, by
     name) returning the last layer's outputs.  Each layer but the last passes on its first tile
@@ -168,8 +169,11 @@ def trainable_chain(programs):
     This is CODA's backward: the gradient of layer i's output is the dgrad GEMM of layer i + 1
     (``d_acc_{i+1} @ w_{i+1}``), and layer i's derived backward (``derive(program_i,
     grad_of=<that output>)``) runs in that GEMM's epilogue, reading the pre-activation the
-    forward saved.  The last layer's backward recomputes its GEMM (as ``trainable`` does);
-    weight gradients are plain GEMMs (cuBLAS)."""
+    forward saved.  The last layer's backward is an elementwise pass over the gradient where it
+    needs no value of the forward (a residual add), else its GEMM again (as ``trainable``);
+    ``outputs``: the last layer's outputs whose gradient flows back (default all but max
+    reductions; leave out statistics, e.g. a sum of squares for the next norm, to spare their
+    gradient's terms).  Weight gradients are plain GEMMs (cuBLAS)."""
     programs = list(programs)
     if not programs or not all(isinstance(p, Program) for p in programs):
         raise ProgramError("trainable_chain() takes a non-empty list of Programs")
@@ -180,8 +184,24 @@ def trainable_chain(programs):
         passed = program.tile_outputs[0].name
         layers.append(derive(program, outputs=[passed], grad_of=passed, accumulator="upstream",
                              wrt=_default_wrt(program)))
-    layers.append(derive(programs[-1], accumulator="recompute", wrt=_default_wrt(programs[-1])))
+    layers.append(_last_layer(programs[-1], _default_wrt(programs[-1]), outputs))
     return _Chain(layers)
+
+
+def _last_layer(program: Program, wrt, outputs) -> Derivative:
+    """The derivative of a chain's last layer, whose output gradients come from autograd: with the
+    gradient of a tile output as accumulator where the backward reads nothing the forward
+    computed (then it is an elementwise pass over that gradient, ``reference.evaluate_accumulator``),
+    else with the layer's GEMM again, the gradients as operands."""
+    tiles = [o.name for o in program.tile_outputs if outputs is None or o.name in outputs]
+    if tiles:
+        try:
+            d = derive(program, wrt=wrt, outputs=outputs, accumulator="upstream", grad_of=tiles[0])
+        except ProgramError:  # e.g. a value too wide in that gradient's columns: recompute below
+            d = None
+        if d is not None and d.forward is d.program and not d.saved_outputs:
+            return d
+    return derive(program, wrt=wrt, outputs=outputs, accumulator="recompute")
 
 
 def _default_wrt(program: Program) -> list[str]:
@@ -193,7 +213,9 @@ class _Chain:
     def __init__(self, layers: list[Derivative]):
         self.layers = layers
         self.forward_ops = [library_op(d.forward) for d in layers]
-        self.backward_ops = [library_op(d.backward) for d in layers]
+        # the last layer's backward as a kernel, unless it is an elementwise pass (_last_layer)
+        self.backward_ops = [library_op(d.backward) for d in layers[:-1]]
+        self.backward_ops.append(None if layers[-1].accumulator == "upstream" else library_op(layers[-1].backward))
         self.names = [[op.name for op in d.program.operands] for d in layers]
 
     def __call__(self, x: torch.Tensor, weights, operands=None):
@@ -270,15 +292,21 @@ class _ChainFunction(torch.autograd.Function):
             d = chain.layers[i]
             values = dict(per_layer[i])
             values.update(zip(_kept(d), kept[i]))
-            if i == n - 1:  # the last layer: its GEMM again, the given gradients as operands
-                a, b = inputs[i], weights[i]
-                _upstream_values(values, d, grads, a, b)
-            else:  # in the dgrad of layer i + 1: acc = d_acc_{i+1} @ w_{i+1}, the gradient of y_i
-                a, b = d_acc, weights[i + 1].t()
-            args = [values[operand.name] for operand in d.backward.operands]
-            result = chain.backward_ops[i](a, b, *args)
-            result = result if isinstance(result, tuple) else (result,)
-            found = d.assemble({o.name: t for o, t in zip(d.backward.outputs, result)})
+            if i == n - 1:  # the last layer: the gradients autograd gives, as operands
+                _upstream_values(values, d, grads, inputs[i], weights[i])
+            if i == n - 1 and d.accumulator == "upstream":  # an elementwise pass over the gradient
+                given = {operand.name: values[operand.name] for operand in d.backward.operands}
+                found = d.assemble(evaluate_accumulator(d.backward, _output_gradient(d, grads, inputs[i], weights[i]),
+                                                        given).outputs)
+            else:
+                if i == n - 1:  # its GEMM again
+                    a, b = inputs[i], weights[i]
+                else:  # in the dgrad of layer i + 1: acc = d_acc_{i+1} @ w_{i+1}, the gradient of y_i
+                    a, b = d_acc, weights[i + 1].t()
+                args = [values[operand.name] for operand in d.backward.operands]
+                result = chain.backward_ops[i](a, b, *args)
+                result = result if isinstance(result, tuple) else (result,)
+                found = d.assemble({o.name: t for o, t in zip(d.backward.outputs, result)})
             if i < n - 1:
                 weight_grads[i + 1] = _weight_gradient(d_acc, inputs[i + 1])
             d_acc = found.pop("acc", None)
@@ -318,6 +346,13 @@ def _upstream_values(values: dict, d: Derivative, grads, a: torch.Tensor, b: tor
         else:  # a tile gradient, read like a tile operand: in the inputs' dtype
             grad = (grad if grad is not None else a.new_zeros((*a.shape[:-1], cols))).to(a.dtype).contiguous()
         values[holders[out.name]] = grad
+
+
+def _output_gradient(d: Derivative, grads, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The gradient autograd gives for the tile output ``d.grad_of`` (zeros where none reached it)."""
+    out, grad = next((o, g) for o, g in zip(d.program.outputs, grads) if o.name == d.grad_of)
+    cols = b.shape[0] * out.node.width.numerator // out.node.width.denominator
+    return (grad if grad is not None else a.new_zeros((*a.shape[:-1], cols))).to(a.dtype)
 
 
 def _weight_gradient(d_acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .arguments import Problem, bind
+from .errors import ArgumentError
 from .primitives import COMPARISONS, ELEMENTWISE, OPERAND_KINDS
 from .program import Node, Program, reads_as_index
 
@@ -63,14 +64,30 @@ def evaluate(program: Program, a: torch.Tensor, b: torch.Tensor, operands: dict 
     return evaluate_problem(bind(program, a, b, operands), tile=tile, precision=precision)
 
 
+def evaluate_accumulator(program: Program, acc: torch.Tensor, operands: dict | None = None, *,
+                         precision: torch.dtype = torch.float32) -> ReferenceResult:
+    """Run ``program`` on a given accumulator ``acc`` (M, N) instead of a GEMM's: an elementwise
+    pass, e.g. a derived backward applied to a gradient that no GEMM produces."""
+    if not isinstance(acc, torch.Tensor) or acc.dim() < 2:
+        raise ArgumentError(f"the accumulator must be a tensor of shape (..., N), got {acc!r:.60}")
+    n = acc.shape[-1]
+    stand_in = acc.new_zeros(()).expand(n, n)  # B of the GEMM that is not run: its shape, no memory
+    problem = bind(program, acc, stand_in, operands)
+    return evaluate_problem(problem, precision=precision, acc=problem.a)
+
+
 def evaluate_problem(problem: Problem, *, tile: tuple[int, int] = (128, 128),
-                     precision: torch.dtype = torch.float32) -> ReferenceResult:
-    """``evaluate`` of arguments already bound (``arguments.bind``)."""
+                     precision: torch.dtype = torch.float32, acc: torch.Tensor | None = None) -> ReferenceResult:
+    """``evaluate`` of arguments already bound (``arguments.bind``); ``acc``: the accumulator itself,
+    for ``evaluate_accumulator``."""
     if precision not in (torch.float32, torch.float64):
         raise ValueError(f"precision {precision}: expected torch.float32 (the kernels') or torch.float64")
     program, a, b = problem.program, problem.a, problem.b
-    with _full_precision_matmul():
-        acc = problem.a.to(precision) @ problem.b.to(precision).t()
+    if acc is not None:
+        acc = acc.to(precision)
+    else:
+        with _full_precision_matmul():
+            acc = problem.a.to(precision) @ problem.b.to(precision).t()
     values = _Evaluator(problem, acc).run()
     result = ReferenceResult(acc=acc)
     exact = precision == torch.float64

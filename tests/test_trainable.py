@@ -201,3 +201,39 @@ def test_epilogue_chain_module_trains_like_the_chain():
     torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(cc.ArgumentError, match="2 programs but 1 feature"):
         EpilogueChain([soft_cap, soft_cap], 8, [8])
+
+
+def test_last_layer_without_forward_values_is_an_elementwise_pass():
+    """A residual add as the last layer (its sum of squares a statistic): its backward reads no
+    value of the forward, so it runs over the gradient itself, no GEMM again; gradients as ever."""
+    residual_sumsq = library.get("residual_sumsq")
+    chain = cc.ops.trainable_chain([geglu, residual_sumsq], outputs=["D"])
+    assert [layer.accumulator for layer in chain.layers] == ["upstream", "upstream"]
+    assert chain.backward_ops[-1] is None and chain.layers[-1].upstream == ("D",)
+    gen = torch.Generator().manual_seed(9)
+    m, d, f = 20, 16, 32
+    x, w1, w2 = torch.randn(m, d, generator=gen), torch.randn(2 * f, d, generator=gen) * 0.3, \
+        torch.randn(d, f, generator=gen) * 0.3
+    rstd = torch.rand(m, generator=gen) + 0.5
+    mine, ref = [_leaf(t) for t in (x, w1, w2, rstd)], [_leaf(t) for t in (x, w1, w2, rstd)]
+    h, sumsq = chain(mine[0], mine[1:3], [{"rstd": mine[3]}, {"residual": mine[0]}])
+    assert not sumsq.requires_grad
+    y1 = cc.evaluate(geglu, ref[0] @ ref[1].t(), torch.eye(2 * f), {"rstd": ref[3]}).outputs["D"]
+    h_ref = y1 @ ref[2].t() + ref[0]
+    g = torch.randn(h.shape, generator=gen)
+    (h * g).sum().backward()
+    (h_ref * g).sum().backward()
+    for name, a, b in zip(("x", "w1", "w2", "rstd"), mine, ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=2e-4, atol=2e-4, msg=lambda msg: f"d {name}: {msg}")
+
+
+def test_plain_gemm_trains_without_a_backward_kernel():
+    f = trainable(library.get("gemm"))
+    assert f.chain.backward_ops == [None]
+    x, w = _leaf(torch.randn(8, 16)), _leaf(torch.randn(24, 16))
+    compiled = torch.compile(lambda x, w: f(x, w).square().sum(), fullgraph=True, backend="aot_eager")
+    compiled(x, w).backward()
+    xr, wr = _leaf(x), _leaf(w)
+    (xr @ wr.t()).square().sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(w.grad, wr.grad)
