@@ -82,7 +82,7 @@ def evaluate_problem(problem: Problem, *, tile: tuple[int, int] = (128, 128),
     for ``evaluate_accumulator``."""
     if precision not in (torch.float32, torch.float64):
         raise ValueError(f"precision {precision}: expected torch.float32 (the kernels') or torch.float64")
-    program, a, b = problem.program, problem.a, problem.b
+    program = problem.program
     if acc is not None:
         acc = acc.to(precision)
     else:

@@ -8,7 +8,6 @@ hand-written LlamaMLP meets (test_gpu_nn.py)."""
 import pytest
 import torch
 
-import coda_cute as cc
 from coda_cute import library
 from coda_cute.ops import trainable, trainable_chain
 
