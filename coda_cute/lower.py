@@ -600,40 +600,33 @@ class _Body:
 
     def row_reduction(self, out) -> None:
         ctx, reg, kind = self.ctx, f"red_{out.name}", out.reduce
+        slot, registers = self.backend.row_register, self.backend.row_registers  # this thread's rows
         lanes = self.lanes[id(out.node)]
         valid = self._valid_cols(out.node.width)
         self.lines.append(f"# {out.name}: per-row {kind} of {out.node.describe()}, this thread's share")
         if kind == "logsumexp":
             ctx.helpers.update(("where", "logsumexp"))
-            ctx.tile_prologue += [f"{reg}__max = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)",
+            ctx.tile_prologue += [f"{reg}__max = cute.make_rmem_tensor(({registers},), cutlass.Float32)",
                                   f"{reg}__max.fill(-float(\"inf\"))",
-                                  f"{reg}__sum = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)",
+                                  f"{reg}__sum = cute.make_rmem_tensor(({registers},), cutlass.Float32)",
                                   f"{reg}__sum.fill(0.0)"]
             # the running pair is read and written once per column pair, folding in each lane
-            self.lines += [f"run_max = {reg}__max[m_block * 2 + h]", f"run_sum = {reg}__sum[m_block * 2 + h]"]
+            self.lines += [f"run_max = {reg}__max[{slot}]", f"run_sum = {reg}__sum[{slot}]"]
             for lane, ok in zip(lanes, valid):
                 self.lines.append(f"run_max, run_sum = logsumexp_update(run_max, run_sum, "
                                   f"where({ok}, {lane}, -float(\"inf\")))")
-            self.lines += [f"{reg}__max[m_block * 2 + h] = run_max", f"{reg}__sum[m_block * 2 + h] = run_sum"]
-            ctx.tile_epilogue += [
-                f"# {out.name}: combine the 4 threads of each row, write this tile's (max, sum of exp)",
-                "for m_block in cutlass.range_constexpr(mma_m):",
-                "    for h in cutlass.range_constexpr(2):",
-                f"        row_max = {reg}__max[m_block * 2 + h]",
-                f"        row_sum = {reg}__sum[m_block * 2 + h]",
-                "        for offset in cutlass.range_constexpr(1, 3):",
-                "            other_max = cute.arch.shuffle_sync_bfly(row_max, offset=offset)",
-                "            other_sum = cute.arch.shuffle_sync_bfly(row_sum, offset=offset)",
-                "            row_max, row_sum = logsumexp_merge(row_max, row_sum, other_max, other_sum)",
-                "        row = row0 + tCcAcc[((0, h, 0), m_block, 0)][0]",
-                "        if ctidx % 4 == 0 and row < M and col0 < N:  # a cluster may own a tile past N: no partial",
-                f"            part_{out.name}[(0, tile_n, row)] = row_max",
-                f"            part_{out.name}[(1, tile_n, row)] = row_sum",
-            ]
+            self.lines += [f"{reg}__max[{slot}] = run_max", f"{reg}__sum[{slot}] = run_sum"]
+            ctx.tile_epilogue += self.backend.row_partials(
+                out.name, "(max, sum of exp)",
+                read=[f"row_max = {reg}__max[{slot}]", f"row_sum = {reg}__sum[{slot}]"],
+                fold=[f"other_max = {self.backend.row_shuffle('row_max')}",
+                      f"other_sum = {self.backend.row_shuffle('row_sum')}",
+                      "row_max, row_sum = logsumexp_merge(row_max, row_sum, other_max, other_sum)"],
+                write=[f"part_{out.name}[(0, tile_n, row)] = row_max", f"part_{out.name}[(1, tile_n, row)] = row_sum"])
             return
         identity = IDENTITY[kind]
-        ctx.tile_prologue += [f"{reg} = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)", f"{reg}.fill({identity})"]
-        total = f"{reg}[m_block * 2 + h]"  # read and written once per column pair
+        ctx.tile_prologue += [f"{reg} = cute.make_rmem_tensor(({registers},), cutlass.Float32)", f"{reg}.fill({identity})"]
+        total = f"{reg}[{slot}]"  # read and written once per column pair
         # padding columns past N are masked, except where the value there is exactly 0, the identity
         masked = kind not in ("sum", "sumsq", "maxabs") or not _zero_past_n(self.program, out.node)
         if masked:
@@ -641,19 +634,11 @@ class _Body:
         for lane, ok in zip(lanes, valid):
             term = reduce_term(kind, lane)
             total = combine(kind, total, f"where({ok}, {term}, {identity})" if masked else term)
-        self.lines.append(f"{reg}[m_block * 2 + h] = {total}")
-        shuffled = combine(kind, "total", "cute.arch.shuffle_sync_bfly(total, offset=offset)")
-        ctx.tile_epilogue += [
-            f"# {out.name}: combine the 4 threads of each row, write this tile's partial",
-            "for m_block in cutlass.range_constexpr(mma_m):",
-            "    for h in cutlass.range_constexpr(2):",
-            f"        total = {reg}[m_block * 2 + h]",
-            "        for offset in cutlass.range_constexpr(1, 3):",
-            f"            total = {shuffled}",
-            "        row = row0 + tCcAcc[((0, h, 0), m_block, 0)][0]",
-            "        if ctidx % 4 == 0 and row < M and col0 < N:  # a cluster may own a tile past N: no partial",
-            f"            part_{out.name}[(tile_n, row)] = total",
-        ]
+        self.lines.append(f"{reg}[{slot}] = {total}")
+        ctx.tile_epilogue += self.backend.row_partials(
+            out.name, "partial", read=[f"total = {reg}[{slot}]"],
+            fold=[f"total = {combine(kind, 'total', self.backend.row_shuffle('total'))}"],
+            write=[f"part_{out.name}[(tile_n, row)] = total"])
 
     def col_reduction(self, out) -> None:
         ctx, reg, kind = self.ctx, f"red_{out.name}", out.reduce

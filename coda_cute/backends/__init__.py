@@ -37,6 +37,9 @@ class Backend(ABC):
     acc_lanes: tuple[str, ...]
     #: a pair's place among a subtile's pairs in a table's register fragment
     table_slot: str
+    #: how many rows a thread holds in the pair loop (per-row registers), and which one it is at
+    row_registers: str
+    row_register: str
 
     @abstractmethod
     def tile_threads(self, config: KernelConfig) -> int:
@@ -59,6 +62,16 @@ class Backend(ABC):
     @abstractmethod
     def coordinates(self, row: bool, col: bool) -> list[str]:
         """Lines that define ``row`` and ``col`` (the pair's first column) where the body reads them."""
+
+    @abstractmethod
+    def row_shuffle(self, value: str) -> str:
+        """``value`` of the partner thread at one step of ``row_partials``' exchange."""
+
+    @abstractmethod
+    def row_partials(self, name: str, partial: str, read: list[str], fold: list[str], write: list[str]) -> list[str]:
+        """Lines that, for each row this thread holds, ``read`` its per-thread value, ``fold`` in
+        those of the other threads sharing the row (``row_shuffle``), and ``write`` the tile's
+        ``partial`` of output ``name`` once per row (``row`` defined)."""
 
     @abstractmethod
     def column_exchange(self, kind: str, reg: str, epi_n: int, offset: str = "") -> list[str]:

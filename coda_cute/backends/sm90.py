@@ -38,6 +38,8 @@ class SM90(Backend):
     # a column pair's place among one subtile's pairs in a table fragment: the gather and the body
     # (the template, via render) both index it so
     table_slot = "h + 2 * (m_block + mma_m * (j % (EPI_N // 8)))"
+    row_registers = "2 * mma_m"  # two rows (h) per MMA block
+    row_register = "m_block * 2 + h"
 
     def tile_threads(self, config: KernelConfig) -> int:
         return tile_threads(config)
@@ -62,6 +64,20 @@ class SM90(Backend):
             first = "col_in_tile" if row else "tCcAcc[pair0][1]"
             head.append(f"col = col0 + {first}  # the pair's first accumulator column")
         return head
+
+    def row_shuffle(self, value: str) -> str:
+        return f"cute.arch.shuffle_sync_bfly({value}, offset=offset)"
+
+    def row_partials(self, name: str, partial: str, read: list[str], fold: list[str], write: list[str]) -> list[str]:
+        return [f"# {name}: combine the 4 threads of each row, write this tile's {partial}",
+                "for m_block in cutlass.range_constexpr(mma_m):",
+                "    for h in cutlass.range_constexpr(2):",
+                *("        " + line for line in read),
+                "        for offset in cutlass.range_constexpr(1, 3):",
+                *("            " + line for line in fold),
+                "        row = row0 + tCcAcc[((0, h, 0), m_block, 0)][0]",
+                "        if ctidx % 4 == 0 and row < M and col0 < N:  # a cluster may own a tile past N: no partial",
+                *("            " + line for line in write)]
 
     def column_exchange(self, kind: str, reg: str, epi_n: int, offset: str = "") -> list[str]:
         return warp_column_exchange(kind, reg, epi_n, offset)
