@@ -14,7 +14,11 @@ the generator (``config`` to ``cache``: a program becomes a compiled kernel), th
                  that ``import coda_cute`` loads;
 - ``library``    the ready programs in ``epilogues/``, and where the shipped folders are;
 - ``config``     what a kernel is specialized for (arch, GPU, dtypes, majors, tile, cluster);
-- ``lower``      program + config -> the template's context (per-lane epilogue code);
+- ``spelling``   CuTe-DSL spellings the lowering and the backends share (dtypes, reduction folds);
+- ``backends``, ``backends.sm90``, ``backends.registry``
+                 what a GPU generation decides (the interface), Hopper's (fragment scheme,
+                 schedules, shared-memory plan, template), and the backend of each arch;
+- ``lower``      program + config -> the template's context (per-lane epilogue code, arch-neutral);
 - ``wrap``       line wrapping of the emitted module (code and docstring, 100 columns);
 - ``render``     the Jinja templates (``templates/``) -> one standalone CuTe-DSL module;
 - ``compile``    ``cute.compile`` of that module, with or without a GPU, plus PTX/SASS;

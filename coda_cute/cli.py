@@ -39,9 +39,9 @@ from pathlib import Path
 from .config import CLUSTER_SHAPES, DEFAULT_SWIZZLE, GPUS, SCHEDULES, SWIZZLES, TILE_SHAPES, KernelConfig
 from .config import parse_operand_dtypes, parse_pair
 from .errors import CodaError, ProgramError, UnsupportedError
-from .lower import CUTE_DTYPES
 from .program import Program, width_str
 from .runtime import runtime_defaults
+from .spelling import CUTE_DTYPES
 from .version import __version__
 
 PROG = "coda-cute"

@@ -26,10 +26,11 @@ from pathlib import Path
 
 from .config import KernelConfig
 from .errors import UnsupportedError
-from .lower import CUTE_DTYPES, DTYPE_BYTES, lower, operand_dtype
+from .lower import lower, operand_dtype
 from .primitives import OPERAND_KINDS
 from .program import Program
 from .render import render
+from .spelling import CUTE_DTYPES, DTYPE_BYTES
 
 
 @dataclass

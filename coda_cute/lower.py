@@ -1,7 +1,11 @@
-"""Lowering a validated program to the context of the sm_90a template.
+"""Lowering a validated program to the context of its arch's template.
+
+The program's values become code here, the same on every arch; where the code meets the
+kernel's layout (the accumulator's lanes and coordinates, the threads that share a row or a
+column, the shared-memory plan) it asks the backend of ``config.arch`` (``backends``).
 
 The epilogue works on one column pair of one row at a time: accumulator columns
-(col, col + 1) of row ``row``, held by one thread (``acc[pair0]``, ``acc[pair1]``).
+(col, col + 1) of row ``row``, held by one thread (on sm_90a ``acc[pair0]``, ``acc[pair1]``).
 Every program value becomes a few scalar *lanes* there, by its width:
 
     N/2 wide  -> 1 lane  (the pair)                 row-constant -> 1 lane
@@ -25,23 +29,16 @@ import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from .backends.registry import backend
 from .config import SMEM_BYTES, KernelConfig
 from .errors import UnsupportedError
 from .primitives import ELEMENTWISE, OPERAND_KINDS
 from .program import Node, Program, reads_as_index, width_str
+from .spelling import CUTE_DTYPES, DTYPE_BYTES, IDENTITY, combine, reduce_term
 
 HALF, ONE, TWO = Fraction(1, 2), Fraction(1), Fraction(2)
-CUTE_DTYPES = {"bf16": "BFloat16", "f16": "Float16", "f32": "Float32", "i32": "Int32"}
-DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
-EPI_N_CHOICES = (32, 16)  # accumulator columns per epilogue subtile, preferred first
-AB_STAGES_WANTED = 4  # mainloop stages that keep the tensor cores fed (fewer starve them)
-# ... except in cooperative 128x256 kernels with tile inputs: 3 stages of 128x256 keep our GEMM as
-# fast as 4 (H200, d = 2048 to 8192), so their shared memory goes to the epilogue instead: an
-# input ring a tile deep (residual + sumsq 1.20x -> 1.13x our GEMM at d = 2048) or 32-column
-# subtiles (RMSNorm backward 1.20x -> 1.16x; 16 columns at 4 stages before) (results, 2026-12-04)
-TILE_INPUT_AB_STAGES = 3
 NUM_LANES = {None: 1, HALF: 1, ONE: 2, TWO: 4}
-_IDENTITY = {"sum": "0.0", "sumsq": "0.0", "max": '-float("inf")', "maxabs": "0.0"}
+
 
 @dataclass
 class Context:
@@ -69,7 +66,7 @@ class Context:
     col_scratch_elems: int = 0
     segments: list = field(default_factory=list)  # registers of segment reductions
     tables: list = field(default_factory=list)  # table operands gathered a subtile ahead
-    epi_n: int = EPI_N_CHOICES[0]
+    epi_n: int = 0  # accumulator columns per epilogue subtile: the backend's plan picks them
     helpers: set = field(default_factory=set)  # module-level helper functions the body calls
 
     epi_load_bytes: int = 0
@@ -97,32 +94,9 @@ class Context:
         return _refers_to(lines, name)
 
     def table_gather(self) -> list[str]:
-        """Lines that load subtile ``gather_subtile``'s table values into stage
-        ``gather_subtile % 2`` of each table's register fragment.  The template runs them before
-        the values are needed: for the first subtile while the mainloop's last WGMMAs finish, for
-        the others once the subtile before has issued its store, so the loads' latency hides
-        behind the barriers in between.  (Loaded where they were used, their latency was most of
-        RoPE's epilogue in Nsight Compute.)"""
-        if not self.tables:
-            return []
-        lines = ["gather_stage = gather_subtile % 2  # the fragments' stage for that subtile",
-                 "for m_block in cutlass.range_constexpr(mma_m):",
-                 "    for j in cutlass.range_constexpr(gather_subtile * (EPI_N // 8), (gather_subtile + 1) * (EPI_N // 8)):",
-                 "        for h in cutlass.range_constexpr(2):",
-                 "            row_in_tile, col_in_tile = tCcAcc[((0, h, j), m_block, 0)]",
-                 "            row = row0 + row_in_tile",
-                 "            col = col0 + col_in_tile",
-                 f"            table_slot = {TABLE_SLOT}"]
-        for t in self.tables:
-            for k, col in enumerate(t["cols"]):
-                slot = _table_slot(len(t["cols"]), k)
-                lines.append(f"            {t['frag']}[({slot}, gather_stage)] = {_table_read(t['gmem'], col)}")
-        return lines
-
-
-# a column pair's place among one subtile's pairs in a table fragment: the gather (above) and the
-# body (the template, via render) both index it so
-TABLE_SLOT = "h + 2 * (m_block + mma_m * (j % (EPI_N // 8)))"
+        """Lines that load subtile ``gather_subtile``'s table values into their register
+        fragments (the backend's gather; the template runs them a subtile ahead)."""
+        return backend(self.config.arch).table_gather(self.tables, _table_slot, _table_read)
 
 
 def _table_slot(lanes: int, k: int) -> str:
@@ -142,8 +116,10 @@ def operand_dtype(config: KernelConfig, name: str) -> str:
 
 
 def lower(program: Program, config: KernelConfig) -> Context:
-    """Check that ``program`` can run as an sm_90a epilogue under ``config``; build the context."""
+    """Check that ``program`` can run as an epilogue of ``config.arch`` under ``config``; build the
+    context."""
     config = config.check().resolved(program)
+    target = backend(config.arch)
     _check_supported(program, config)
     tile_m, tile_n = config.tile
     ctx, stages, in_stages, ab_stages = _plan_smem(program, config)
@@ -155,25 +131,14 @@ def lower(program: Program, config: KernelConfig) -> Context:
         b_layout="ROW_MAJOR" if config.majors[1] == "k" else "COL_MAJOR",
         tile_m=tile_m, tile_n=tile_n, tile_k=64, cluster_m=config.cluster[0], cluster_n=config.cluster[1],
         ab_stages=ab_stages, epi_n=ctx.epi_n, epi_stages=stages, in_stages=in_stages,
-        smem_budget=SMEM_BYTES[config.arch], smem_planned=smem_bytes(ctx, stages, in_stages, ab_stages),
+        smem_budget=SMEM_BYTES[config.arch], smem_planned=target.smem_bytes(ctx, stages, in_stages, ab_stages),
         raster_along_m=config.raster_along_m, swizzle=config.swizzle,
-        pingpong=config.schedule == "pingpong", tile_warpgroups=_tile_warpgroups(config), **_register_split(config),
+        **target.schedule(config),
     )
     _Body(ctx, program, config).emit_all()
     names = ["a (M, K)", "b (N, K)"] + [p["doc"] for p in ctx.host_params] + ["stream"]
     ctx.call_signature = ", ".join(names)
     return ctx
-
-
-def _register_split(config: KernelConfig) -> dict:
-    """Registers per thread of the producer and of each consumer warpgroup after setmaxnreg.
-    Their sum over the CTA must stay within its launch pool (168 x 384 threads = 64512): a
-    consumer asking for more than the producer gave back waits forever.  Ping-pong gives each
-    consumer a whole tile (up to 192 fp32 accumulators per thread): the producer, which only
-    issues TMA copies, goes down to 24 so that each consumer can have 240."""
-    if config.schedule == "pingpong":
-        return dict(producer_regs=24, consumer_regs=240)
-    return dict(producer_regs=40, consumer_regs=232)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -263,7 +228,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
         # the finishing kernel's helper and its fold over the tiles: sums of squares add as sums do
         fold = dict(helper="finish_" + {"sumsq": "sum"}.get(out.reduce, out.reduce))
         if out.reduce != "logsumexp":
-            fold.update(identity=_IDENTITY[out.reduce], fold=_combine(out.reduce, "total", "%s"))
+            fold.update(identity=IDENTITY[out.reduce], fold=combine(out.reduce, "total", "%s"))
         ctx.helpers.add("where")  # the finishing kernel masks the tiles past the last
         ctx.finishes.append(dict(name=out.name, kind=out.reduce, part=part, out=final, shape=shape, **fold,
                                  label=f"{out.axis}_{out.reduce}({out.node.describe()})",
@@ -313,7 +278,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
             elems = tile_m if is_row else int(tile_n * op.width)
             base = "row0" if is_row else {HALF: "col0 // 2", ONE: "col0", TWO: "2 * col0"}[op.width]
             length = "M" if is_row else {HALF: "N // 2", ONE: "N", TWO: "2 * N"}[op.width]
-            threads = _tile_threads(config)
+            threads = backend(config.arch).tile_threads(config)
             index = dtype == "i32"  # class indices stay integers in smem (compared exactly)
             ctx.vectors.append(dict(
                 name=op.name, gmem=name, smem=f"smem_in_{op.name}", view=f"view_in_{op.name}", is_row=is_row,
@@ -322,7 +287,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
             ))
     ctx.epi_load_bytes = sum(tile_m * t["cols"] * DTYPE_BYTES[t["dtype"]] for t in ctx.tile_inputs)
     if ctx.col_reductions:
-        ctx.col_scratch_elems = len(ctx.col_reductions) * (_tile_threads(config) // 32) * ctx.epi_n
+        ctx.col_scratch_elems = len(ctx.col_reductions) * (backend(config.arch).tile_threads(config) // 32) * ctx.epi_n
     # the widths the template writes, in the kernel's constants: a subtile's columns, a tile's
     for t in ctx.tile_outputs + ctx.tile_inputs:
         t["cols_expr"], t["tile_cols"] = _scaled("EPI_N", t["width"]), _scaled("TILE_N", t["width"])
@@ -358,22 +323,6 @@ def _times(count: int, expr: str) -> str:
     return expr if count == 1 else f"{count} * {expr}"
 
 
-def _mma_blocks(config: KernelConfig) -> int:
-    """64-row MMA blocks per consumer thread (`mma_m` in the kernel)."""
-    return config.tile[0] // 64 // _tile_warpgroups(config)
-
-
-def _tile_warpgroups(config: KernelConfig) -> int:
-    """Warpgroups that compute one tile: one (ping-pong), else one per 64 rows, at most two (a
-    256-row tile gives each two 64-row blocks, rows [64w, 64w + 64) of each 128)."""
-    return 1 if config.schedule == "pingpong" else min(config.tile[0] // 64, 2)
-
-
-def _tile_threads(config: KernelConfig) -> int:
-    """Threads that compute one tile."""
-    return 128 * _tile_warpgroups(config)
-
-
 def _uses_fragments(width: Fraction, dtype: str) -> bool:
     """N-wide 16-bit tiles move through stmatrix / ldmatrix fragments; the rest through smem views."""
     return width == ONE and DTYPE_BYTES[dtype] == 2
@@ -401,133 +350,20 @@ def fits_shared_memory(program: Program, config: KernelConfig) -> bool:
 
 
 def _plan_smem(program: Program, config: KernelConfig) -> tuple[Context, int, int, int]:
-    """Pick the epilogue subtile width and the stage counts that fit the SM's shared memory:
-    (context, EPI_STAGES, IN_STAGES, AB_STAGES).
-
-    The mainloop needs about AB_STAGES_WANTED stages in flight (TILE_INPUT_AB_STAGES in a
-    cooperative 128x256 kernel with tile inputs; or exactly config.ab_stages);
-    the epilogue rings share the same memory: output rings of EPI_STAGES subtiles, input rings
-    of IN_STAGES subtiles.  Inputs are loaded by their own warp, which runs ahead into the next
-    tile while the mainloop computes; the deeper their ring, the less the epilogue waits on
-    memory (see _stages for who gets how much).  Subtiles of 32 accumulator columns are
-    preferred; programs with wide rings (2N outputs or inputs) take 16 columns when that buys
-    mainloop stages.  A warpgroup holding two MMA blocks per thread (ping-pong with 128 rows,
-    cooperative with 256) has twice the per-subtile registers: it prefers 16 columns.  A
-    cooperative 128x256 kernel with tile inputs and no stage counts given first tries input
-    rings a whole tile deep beside TILE_INPUT_AB_STAGES mainloop stages: its epilogue then never
-    waits for an input."""
-    tile_inputs = any(op.staging == "ring" for op in program.operands)
-    if config.in_stages and not tile_inputs:
-        raise UnsupportedError(f"in_stages {config.in_stages}: program {program.name!r} has no tile inputs to load")
-    tile_inputs_128x256 = tile_inputs and config.schedule == "cooperative" and tuple(config.tile) == (128, 256)  # as measured
-    if tile_inputs_128x256 and not (config.ab_stages or config.in_stages):
-        # the whole tile's inputs in flight, beside TILE_INPUT_AB_STAGES mainloop stages
-        best, _ = _best_plan(program, config, TILE_INPUT_AB_STAGES, deep_inputs=True)
-        if best is not None:
-            return best
-    wanted = config.ab_stages or (TILE_INPUT_AB_STAGES if tile_inputs_128x256 else AB_STAGES_WANTED)
-    best, narrow = _best_plan(program, config, wanted)
-    if best is None and len(narrow) == len(EPI_N_CHOICES):  # no subtile width TMA can move
-        raise UnsupportedError(f"{narrow[-1]['label']}: a {narrow[-1]['cols']}-column subtile row is under TMA's 16 bytes")
-    if best is None and (config.epi_stages or config.in_stages):
-        rings = ", ".join(f"{what} rings {depth} subtiles deep" for what, depth in
-                          (("output", config.epi_stages), ("input", config.in_stages)) if depth)
-        raise UnsupportedError(
-            f"program {program.name!r} with tile {config.tile[0]}x{config.tile[1]}: {rings} do not fit beside "
-            f"{config.ab_stages or 2} mainloop stages in {config.arch}'s shared memory, or do not divide the tile's "
-            f"{config.tile[1] // 32} (or {config.tile[1] // 16}) subtiles; choose shallower rings or leave them planned (0)"
-        )
-    if best is None and config.ab_stages:
-        raise UnsupportedError(
-            f"program {program.name!r} with tile {config.tile[0]}x{config.tile[1]}: {config.ab_stages} mainloop stages "
-            f"do not fit beside its epilogue rings in {config.arch}'s shared memory; choose fewer stages (ab_stages) "
-            "or a smaller tile"
-        )
-    if best is None:
-        raise UnsupportedError(
-            f"program {program.name!r} with tile {config.tile[0]}x{config.tile[1]} needs more shared memory than "
-            f"{config.arch} has for its epilogue tiles; choose a smaller tile"
-        )
-    return best
-
-
-def _best_plan(program: Program, config: KernelConfig, wanted: int, deep_inputs: bool = False) -> tuple:
-    """(the best (context, EPI_STAGES, IN_STAGES, AB_STAGES) over the subtile widths, or None;
-    the tiles that were too narrow for TMA at each width that had one).  Mainloop stages (up to
-    `wanted`) rank first, then the preferred subtile width (16 columns with deep input rings
-    spilled registers in the kernels with column reductions)."""
-    best, best_rank, narrow = None, None, []
-    choices = EPI_N_CHOICES[::-1] if _mma_blocks(config) > 1 else EPI_N_CHOICES
-    if deep_inputs:  # the preferred width only: rmsnorm_bwd's tile-deep ring at 16 columns spilled
-        choices = choices[:1]
-    for preference, epi_n in enumerate(choices):
+    """(context, EPI_STAGES, IN_STAGES, AB_STAGES): the backend's plan of the SM's shared memory."""
+    def declare(epi_n: int) -> Context:
         ctx = Context(program=program, config=config, cfg={}, class_name=_class_name(program.name), epi_n=epi_n)
         _declare_tensors(ctx, program, config)
-        too_narrow = [t for t in ctx.tile_outputs + ctx.tile_inputs if t["cols"] * DTYPE_BYTES[t["dtype"]] < 16]
-        if too_narrow:
-            narrow.append(too_narrow[0])
-            continue  # a subtile row under TMA's 16 bytes
-        stages = _stages(ctx, config, wanted, deep_inputs)
-        if stages is None:
-            continue
-        rank = (min(stages[2], wanted), -preference)
-        if best is None or rank > best_rank:
-            best, best_rank = (ctx, *stages), rank
-    return best, narrow
+        return ctx
 
-
-def smem_bytes(ctx: Context, epi_stages: int, in_stages: int, ab_stages: int) -> int:
-    """Bytes of the kernel's SharedStorage (see the template): barriers, padded to the 1024-byte
-    alignment of the A/B stages, then the A/B stages, the epilogue rings (1024-aligned; outputs
-    of epi_stages subtiles, inputs of in_stages) and the per-tile vectors and column-reduction
-    scratch (16-byte aligned); the whole struct is padded to its 1024-byte alignment.  A test
-    compares this with the compiled struct's size."""
-    tile_m, tile_n = ctx.config.tile
-    ab = ab_stages * (tile_m + tile_n) * 64 * 2
-    rings = sum(-(-stages * tile_m * t["cols"] * DTYPE_BYTES[t["dtype"]] // 1024) * 1024
-                for tiles, stages in ((ctx.tile_outputs, epi_stages), (ctx.tile_inputs, in_stages)) for t in tiles)
-    small = sum(-(-4 * n // 16) * 16 for n in [v["elems"] for v in ctx.vectors] + [ctx.col_scratch_elems])
-    return -(-(1024 + ab + rings + small) // 1024) * 1024
-
-
-def _stages(ctx: Context, config: KernelConfig, wanted: int, deep_inputs: bool = False) -> tuple[int, int, int] | None:
-    """(EPI_STAGES, IN_STAGES, AB_STAGES) for this subtile width, or None when they do not fit.
-
-    Automatic (config.ab_stages 0): input rings as deep as the output rings, 4 over 2, with at
-    least `wanted` mainloop stages (else the last choice and whatever remains, at least 2), then
-    as many mainloop stages as the rest holds, up to 8: the plan measured on the H200.  With
-    config.ab_stages given, exactly that many mainloop stages (None when they do not fit), and
-    the input rings take the deepest ring (a divisor of the subtile count) that fits beside them.
-    With `deep_inputs`, input rings a whole tile deep and at least `wanted` mainloop stages, or
-    None.  A ring depth given (config.epi_stages, config.in_stages) is the only choice for its
-    rings; it must divide the subtile count."""
-    subtiles = config.tile[1] // ctx.epi_n
-    budget = SMEM_BYTES[config.arch]
-    ab_bytes = (config.tile[0] + config.tile[1]) * 64 * 2
-    outs = [config.epi_stages] if config.epi_stages else [4, 2]
-    if config.in_stages:
-        pairs = [(epi, config.in_stages) for epi in outs]
-    elif deep_inputs:
-        pairs = [(epi, subtiles) for epi in outs]
-    elif config.ab_stages and ctx.tile_inputs:  # the deepest input ring first
-        pairs = [(epi, deep) for deep in range(subtiles, 1, -1) if subtiles % deep == 0 for epi in outs]
-    else:
-        pairs = [(epi, epi) for epi in outs]
-    for epi_stages, in_stages in pairs:
-        if subtiles % epi_stages or (ctx.tile_inputs and subtiles % in_stages):
-            continue
-        room = min((budget - smem_bytes(ctx, epi_stages, in_stages, 0)) // ab_bytes, 8)
-        ab_stages = min(room, config.ab_stages) if config.ab_stages else room
-        fallback = not (config.ab_stages or deep_inputs) and (epi_stages, in_stages) == pairs[-1] and ab_stages >= 2
-        if ab_stages >= wanted or fallback:
-            return epi_stages, in_stages, ab_stages
-    return None
+    return backend(config.arch).plan_smem(program, config, declare)
 
 
 # ----------------------------------------------------------------------------- the per-pair body
 class _Body:
     def __init__(self, ctx: Context, program: Program, config: KernelConfig, lines: list | None = None):
         self.ctx, self.program, self.config = ctx, program, config
+        self.backend = backend(config.arch)
         self.lanes: dict[int, list[str]] = {}
         self.taken: set[str] = set()
         self.lines = ctx.body if lines is None else lines
@@ -552,16 +388,7 @@ class _Body:
 
     def add_coordinates(self) -> None:
         """Prepend the element's global coordinates, only where the body reads them."""
-        uses = {name: _refers_to(self.lines, name) for name in ("row", "col")}
-        head = []
-        if uses["row"] and uses["col"]:
-            head.append("row_in_tile, col_in_tile = tCcAcc[pair0]")
-        if uses["row"]:
-            head.append("row = row0 + " + ("row_in_tile" if uses["col"] else "tCcAcc[pair0][0]"))
-        if uses["col"]:
-            col = "col_in_tile" if uses["row"] else "tCcAcc[pair0][1]"
-            head.append(f"col = col0 + {col}  # the pair's first accumulator column")
-        self.lines[:0] = head
+        self.lines[:0] = self.backend.coordinates(_refers_to(self.lines, "row"), _refers_to(self.lines, "col"))
 
     # -- values
     def emit(self, node: Node) -> None:
@@ -621,7 +448,7 @@ class _Body:
     def values(self, node: Node) -> list[str]:
         op, args = node.op, [self.lanes[id(a)] for a in node.args]
         if op == "acc":
-            return ["acc[pair0]", "acc[pair1]"]
+            return list(self.backend.acc_lanes)
         if op == "const":
             return [_literal(node.attrs[0])]
         if op == "row":
@@ -674,8 +501,8 @@ class _Body:
                       f"{slot.replace(reg, reg + '_max')}, {slot}, {lane})" for lane in lanes]
         else:
             lines += [f"{reg} = cute.make_rmem_tensor(({registers},), cutlass.Float32)",
-                      f"{reg}.fill({_IDENTITY[kind]})"]
-            update = [f"{slot} = {_combine(kind, slot, _reduce_term(kind, lane))}" for lane in lanes]
+                      f"{reg}.fill({IDENTITY[kind]})"]
+            update = [f"{slot} = {combine(kind, slot, reduce_term(kind, lane))}" for lane in lanes]
         lines += ["for m_block in cutlass.range_constexpr(mma_m):",
                   "    for j in cutlass.range_constexpr(TILE_N // 8):",
                   "        for h in cutlass.range_constexpr(2):",
@@ -691,10 +518,10 @@ class _Body:
                       "        top, total = logsumexp_merge(top, total, other_top, other_total)",
                       f"    {reg}[k] = top + cute.math.log(total, fastmath=True)"]
         else:
-            combine = _combine(kind, "total", "cute.arch.shuffle_sync_bfly(total, offset=offset)")
+            shuffled = combine(kind, "total", "cute.arch.shuffle_sync_bfly(total, offset=offset)")
             lines += [f"    total = {reg}[k]",
                       "    for offset in cutlass.range_constexpr(1, 3):",
-                      f"        total = {combine}",
+                      f"        total = {shuffled}",
                       f"    {reg}[k] = total"]
         ctx.tile_prologue += lines
         return slot
@@ -773,78 +600,63 @@ class _Body:
 
     def row_reduction(self, out) -> None:
         ctx, reg, kind = self.ctx, f"red_{out.name}", out.reduce
+        slot, registers = self.backend.row_register, self.backend.row_registers  # this thread's rows
         lanes = self.lanes[id(out.node)]
         valid = self._valid_cols(out.node.width)
         self.lines.append(f"# {out.name}: per-row {kind} of {out.node.describe()}, this thread's share")
         if kind == "logsumexp":
             ctx.helpers.update(("where", "logsumexp"))
-            ctx.tile_prologue += [f"{reg}__max = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)",
+            ctx.tile_prologue += [f"{reg}__max = cute.make_rmem_tensor(({registers},), cutlass.Float32)",
                                   f"{reg}__max.fill(-float(\"inf\"))",
-                                  f"{reg}__sum = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)",
+                                  f"{reg}__sum = cute.make_rmem_tensor(({registers},), cutlass.Float32)",
                                   f"{reg}__sum.fill(0.0)"]
             # the running pair is read and written once per column pair, folding in each lane
-            self.lines += [f"run_max = {reg}__max[m_block * 2 + h]", f"run_sum = {reg}__sum[m_block * 2 + h]"]
+            self.lines += [f"run_max = {reg}__max[{slot}]", f"run_sum = {reg}__sum[{slot}]"]
             for lane, ok in zip(lanes, valid):
                 self.lines.append(f"run_max, run_sum = logsumexp_update(run_max, run_sum, "
                                   f"where({ok}, {lane}, -float(\"inf\")))")
-            self.lines += [f"{reg}__max[m_block * 2 + h] = run_max", f"{reg}__sum[m_block * 2 + h] = run_sum"]
-            ctx.tile_epilogue += [
-                f"# {out.name}: combine the 4 threads of each row, write this tile's (max, sum of exp)",
-                "for m_block in cutlass.range_constexpr(mma_m):",
-                "    for h in cutlass.range_constexpr(2):",
-                f"        row_max = {reg}__max[m_block * 2 + h]",
-                f"        row_sum = {reg}__sum[m_block * 2 + h]",
-                "        for offset in cutlass.range_constexpr(1, 3):",
-                "            other_max = cute.arch.shuffle_sync_bfly(row_max, offset=offset)",
-                "            other_sum = cute.arch.shuffle_sync_bfly(row_sum, offset=offset)",
-                "            row_max, row_sum = logsumexp_merge(row_max, row_sum, other_max, other_sum)",
-                "        row = row0 + tCcAcc[((0, h, 0), m_block, 0)][0]",
-                "        if ctidx % 4 == 0 and row < M and col0 < N:  # a cluster may own a tile past N: no partial",
-                f"            part_{out.name}[(0, tile_n, row)] = row_max",
-                f"            part_{out.name}[(1, tile_n, row)] = row_sum",
-            ]
+            self.lines += [f"{reg}__max[{slot}] = run_max", f"{reg}__sum[{slot}] = run_sum"]
+            ctx.tile_epilogue += self.backend.row_partials(
+                out.name, "(max, sum of exp)",
+                read=[f"row_max = {reg}__max[{slot}]", f"row_sum = {reg}__sum[{slot}]"],
+                fold=[f"other_max = {self.backend.row_shuffle('row_max')}",
+                      f"other_sum = {self.backend.row_shuffle('row_sum')}",
+                      "row_max, row_sum = logsumexp_merge(row_max, row_sum, other_max, other_sum)"],
+                write=[f"part_{out.name}[(0, tile_n, row)] = row_max", f"part_{out.name}[(1, tile_n, row)] = row_sum"])
             return
-        identity = _IDENTITY[kind]
-        ctx.tile_prologue += [f"{reg} = cute.make_rmem_tensor((2 * mma_m,), cutlass.Float32)", f"{reg}.fill({identity})"]
-        total = f"{reg}[m_block * 2 + h]"  # read and written once per column pair
+        identity = IDENTITY[kind]
+        ctx.tile_prologue += [f"{reg} = cute.make_rmem_tensor(({registers},), cutlass.Float32)", f"{reg}.fill({identity})"]
+        total = f"{reg}[{slot}]"  # read and written once per column pair
         # padding columns past N are masked, except where the value there is exactly 0, the identity
         masked = kind not in ("sum", "sumsq", "maxabs") or not _zero_past_n(self.program, out.node)
         if masked:
             ctx.helpers.add("where")
         for lane, ok in zip(lanes, valid):
-            term = _reduce_term(kind, lane)
-            total = _combine(kind, total, f"where({ok}, {term}, {identity})" if masked else term)
-        self.lines.append(f"{reg}[m_block * 2 + h] = {total}")
-        combine = _combine(kind, "total", "cute.arch.shuffle_sync_bfly(total, offset=offset)")
-        ctx.tile_epilogue += [
-            f"# {out.name}: combine the 4 threads of each row, write this tile's partial",
-            "for m_block in cutlass.range_constexpr(mma_m):",
-            "    for h in cutlass.range_constexpr(2):",
-            f"        total = {reg}[m_block * 2 + h]",
-            "        for offset in cutlass.range_constexpr(1, 3):",
-            f"            total = {combine}",
-            "        row = row0 + tCcAcc[((0, h, 0), m_block, 0)][0]",
-            "        if ctidx % 4 == 0 and row < M and col0 < N:  # a cluster may own a tile past N: no partial",
-            f"            part_{out.name}[(tile_n, row)] = total",
-        ]
+            term = reduce_term(kind, lane)
+            total = combine(kind, total, f"where({ok}, {term}, {identity})" if masked else term)
+        self.lines.append(f"{reg}[{slot}] = {total}")
+        ctx.tile_epilogue += self.backend.row_partials(
+            out.name, "partial", read=[f"total = {reg}[{slot}]"],
+            fold=[f"total = {combine(kind, 'total', self.backend.row_shuffle('total'))}"],
+            write=[f"part_{out.name}[(tile_n, row)] = total"])
 
     def col_reduction(self, out) -> None:
         ctx, reg, kind = self.ctx, f"red_{out.name}", out.reduce
         slot = ctx.col_reductions.index(out.name)
-        identity = _IDENTITY[kind]
+        identity = IDENTITY[kind]
         lanes = self.lanes[id(out.node)]
         offset = _times(slot, "(TILE_THREADS // 32) * EPI_N") if slot else ""  # where its scratch starts
         ctx.helpers.add("where")
         ctx.subtile_prologue += [f"{reg} = cute.make_rmem_tensor((EPI_N // 4,), cutlass.Float32)", f"{reg}.fill({identity})"]
         self.lines.append(f"# {out.name}: per-column {kind} of {out.node.describe()}, this thread's rows")
         for e, lane in enumerate(lanes):
-            term = _reduce_term(kind, lane)
+            term = reduce_term(kind, lane)
             slot_expr = f"{reg}[(j % (EPI_N // 8)) * 2{f' + {e}' if e else ''}]"
-            self.lines.append(f"{slot_expr} = {_combine(kind, slot_expr, f'where(row < M, {term}, {identity})')}")
+            self.lines.append(f"{slot_expr} = {combine(kind, slot_expr, f'where(row < M, {term}, {identity})')}")
         ctx.subtile_compute_end += [f"# {out.name}: combine the 8 threads of each column in a warp,",
                                     "# then park each warp's column sums in smem (col_scratch)",
-                                    *_warp_column_exchange(kind, reg, ctx.epi_n, offset)]
-        gather = _combine(kind, "total", f"col_scratch[{offset + ' + ' if offset else ''}warp * EPI_N + ctidx]")
+                                    *self.backend.column_exchange(kind, reg, ctx.epi_n, offset)]
+        gather = combine(kind, "total", f"col_scratch[{offset + ' + ' if offset else ''}warp * EPI_N + ctidx]")
         ctx.subtile_epilogue += [
             f"# {out.name}: combine the warps, write this tile's partial for the subtile's columns",
             "if ctidx < EPI_N:",
@@ -855,47 +667,6 @@ class _Body:
             "    if global_col < N and row0 < M:  # a cluster may own a tile past M: no partial",
             f"        part_{out.name}[(tile_m, global_col)] = total",
         ]
-
-
-def _warp_column_exchange(kind: str, reg: str, epi_n: int, offset: str = "") -> list[str]:
-    """Lines that fold a subtile's column values (`reg`, EPI_N // 4 per thread) over the 8 threads
-    sharing each column (lanes 4 apart) and store each column's warp total in `col_scratch`,
-    from `offset` (an expression; "" for its start).
-
-    Each exchange halves what a thread holds: lanes `step` apart split the values, each keeps one
-    half, folds in its partner's copy of that half, and hands over the other.  With 8 values that
-    is 4 + 2 + 1 shuffles instead of 8 x 3, and afterwards every lane holds a different column:
-    value lane // 4.  With 4 values, the last step (lanes 4 apart) folds the one value left and
-    both lanes hold it; the lower one stores it."""
-    def exchange(low: str, high: str, step: int) -> list[str]:  # the lower lane keeps `low`, the upper `high`
-        return [f"mine = where(upper, {reg}[{high}], {reg}[{low}])",
-                f"theirs = where(upper, {reg}[{low}], {reg}[{high}])",
-                f"{reg}[{low}] = {_combine(kind, 'mine', f'cute.arch.shuffle_sync_bfly(theirs, offset={step})')}"]
-
-    values = epi_n // 4
-    lines, kept = [], values
-    for step in (16, 8, 4):
-        kept //= 2
-        if kept:
-            if kept == 1:
-                lines += [f"# lanes {step} apart: the lower keeps value 0, the upper value 1",
-                          f"upper = (ctidx & {step}) != 0", *exchange("0", "1", step)]
-            else:
-                lines += [f"# lanes {step} apart: the lower keeps values 0-{kept - 1}, the upper {kept}-{2 * kept - 1}",
-                          f"upper = (ctidx & {step}) != 0",
-                          f"for k in cutlass.range_constexpr({kept}):",
-                          *("    " + line for line in exchange("k", f"k + {kept}", step))]
-        else:
-            lines += [f"# lanes {step} apart hold the same column now: both fold it",
-                      f"{reg}[0] = {_combine(kind, f'{reg}[0]', f'cute.arch.shuffle_sync_bfly({reg}[0], offset={step})')}"]
-    spread = 32 // values  # lanes holding the same value index
-    place = [f"value = ctidx % 32 // {spread}  # which of this thread's values it now holds",
-             "# its value k lies 8 * (k // 2) + k % 2 columns past its first (the WGMMA fragment)",
-             "col_in_subtile = tCcAcc[((0, 0, subtile * (EPI_N // 8)), 0, 0)][1] - subtile * EPI_N + 8 * (value // 2) + value % 2",
-             f"col_scratch[{offset + ' + ' if offset else ''}(ctidx // 32) * EPI_N + col_in_subtile] = {reg}[0]"]
-    if spread > 4:
-        place = [f"if ctidx % {spread} < 4:", *("    " + line for line in place)]
-    return lines + place
 
 
 def _refers_to(lines: list[str], name: str) -> bool:
@@ -924,14 +695,6 @@ def _zero_past_n(program: Program, node: Node) -> bool:
 
 def _broadcast(lanes: list[str], count: int) -> list[str]:
     return lanes if len(lanes) == count else lanes * count
-
-
-def _reduce_term(kind: str, value: str) -> str:
-    return {"sum": value, "max": value, "sumsq": f"{value} * {value}", "maxabs": f"cute.math.abs({value})"}[kind]
-
-
-def _combine(kind: str, a: str, b: str) -> str:
-    return f"{a} + {b}" if kind in ("sum", "sumsq") else f"cute.math.max({a}, {b})"
 
 
 def _literal(value) -> str:

@@ -6,16 +6,14 @@ from functools import lru_cache
 
 import jinja2
 
+from .backends.registry import backend
 from .config import KernelConfig
 from . import library
 from .library import resource_dir
-from .lower import TABLE_SLOT, Context, lower
+from .lower import Context, lower
 from .program import Program
 from .version import __version__
 from .wrap import WIDTH, fit_code, wrap_command, wrap_items, wrap_prose
-
-TEMPLATES = {"sm_90a": "sm90_gemm.py.j2"}
-
 
 @lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
@@ -77,7 +75,8 @@ def render(ctx: Context, *, reference: str | None = None) -> str:
     characters: the docstring's are wrapped here, code lines by the template or by fit_code."""
     config = ctx.config
     ctx.program.validate()
-    template = environment().get_template(TEMPLATES[config.arch])
+    target = backend(config.arch)
+    template = environment().get_template(target.template)
     listing = [docstring_text(line) for line in ctx.program.describe().splitlines()]
     return fit_code(template.render(
         version=__version__,
@@ -87,7 +86,7 @@ def render(ctx: Context, *, reference: str | None = None) -> str:
         fast_tiles=ctx.fast_tiles,
         inputs_in_registers=ctx.inputs_in_registers,
         table_gather=ctx.table_gather(),
-        table_slot=TABLE_SLOT,
+        table_slot=target.table_slot,
         uses=ctx.uses,
         **vars(ctx),
     ))

@@ -27,6 +27,7 @@ import torch
 from . import reference
 from .arguments import Problem, _aligned, _row_stride_ok, bind, check_kernel_arguments, check_outputs
 from .arguments import short_dtype
+from .backends.registry import backend
 from .config import DEFAULT_SWIZZLE, GPUS, KernelConfig
 from .errors import ArgumentError, ProgramError, UnsupportedError
 from .lower import fits_shared_memory, lower, tables_in_segment_reductions
@@ -258,11 +259,14 @@ def _package(program: Program, outputs: dict, partials: dict | None):
     return outputs
 
 
-def gpu_model(device: torch.device) -> str:
-    """Map the CUDA device name to a KernelConfig GPU (the SM count is baked into kernels)."""
+def gpu_model(device: torch.device, arch: str = KernelConfig.arch) -> str:
+    """Map the CUDA device name to a KernelConfig GPU (the SM count is baked into kernels), for
+    kernels of ``arch``: the device must have its backend's compute capability."""
     props = torch.cuda.get_device_properties(device)
-    if (props.major, props.minor) != (9, 0):
-        raise UnsupportedError(f"{props.name} is sm_{props.major}{props.minor}; coda-cute kernels target sm_90a (Hopper)")
+    target = backend(arch)
+    if (props.major, props.minor) != target.capability:
+        raise UnsupportedError(f"{props.name} is sm_{props.major}{props.minor}; coda-cute kernels target "
+                               f"{target.arch} ({target.generation})")
     for needle, model in _GPU_NAMES.items():
         if needle in props.name and GPUS[model] == props.multi_processor_count:
             return model

@@ -278,7 +278,7 @@ def test_word_views_address_what_the_ring_views_address(config):
                          ids=["128x256-cooperative", "128x128-pingpong", "256x128-cooperative"])
 def test_column_exchange_parks_each_columns_warp_total_in_its_slot(config, kind):
     """A column reduction folds each subtile's values over the 8 threads sharing a column by
-    halving exchanges (lower._warp_column_exchange).  Run its lines for one warp in PyTorch,
+    halving exchanges (backends.sm90.warp_column_exchange).  Run its lines for one warp in PyTorch,
     lanes as a vector, with each thread's values at the columns CuTe's MMA partition gives
     them: every column of the subtile must get exactly its warp's total, stored once, in its own slot."""
     import types
@@ -287,7 +287,7 @@ def test_column_exchange_parks_each_columns_warp_total_in_its_slot(config, kind)
     import cutlass.cute as cute
     import torch
 
-    from coda_cute.lower import _warp_column_exchange
+    from coda_cute.backends.sm90 import warp_column_exchange
 
     kernel = import_source(emit(library.get("rmsnorm_bwd"), config), SOURCE_DIR)
     epi_n, values = kernel.EPI_N, kernel.EPI_N // 4
@@ -305,7 +305,7 @@ def test_column_exchange_parks_each_columns_warp_total_in_its_slot(config, kind)
     cute.compile(probe, options="--gpu-arch sm_90a")
     assert sorted(set(column.values())) == list(range(epi_n))
 
-    lines = _warp_column_exchange(kind, "red", epi_n)
+    lines = warp_column_exchange(kind, "red", epi_n)
     split = next(i for i, line in enumerate(lines) if line.startswith(("value =", "if ctidx %")))
     lanes = torch.arange(32)
     start = torch.randint(-50, 50, (values, 32), generator=torch.Generator().manual_seed(epi_n)).double()

@@ -78,7 +78,7 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_ships_the_package_templates_and_library(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    modules = {f"coda_cute/{p.name}" for p in (ROOT / "coda_cute").glob("*.py")}
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "coda_cute").rglob("*.py")}  # subpackages too
     templates = {f"coda_cute/templates/{p.name}" for p in (ROOT / "templates").glob("*.j2")}
     epilogues = {f"coda_cute/epilogues/{p.name}" for p in (ROOT / "epilogues").glob("*.py")}
     assert "coda_cute/templates/sm90_gemm.py.j2" in templates

@@ -1,0 +1,84 @@
+"""What the lowering asks of a GPU generation: one ``Backend`` per ``KernelConfig.arch``.
+
+The program and the per-pair value code (``lower``) are the same on every arch; a backend owns
+what its kernels' layout decides:
+
+- the *fragment scheme*: which accumulator values a thread holds at one step of the epilogue's
+  pair loop (its lanes and their (row, col)), how many threads share a row or a column, and how
+  their partial reductions are exchanged (shuffles, a shared-memory scratch);
+- the *threads and schedules*: warpgroups per tile, register budgets, MMA blocks per thread;
+- the *shared-memory plan*: the subtile width and the stage counts that fit its SM, and the
+  bytes its template's SharedStorage takes;
+- where it runs and how it is written: the compute capability and the template.
+
+``backends.registry`` maps each arch to its backend; ``backends.sm90`` is Hopper's.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+from ..config import KernelConfig
+from ..program import Program
+
+
+class Backend(ABC):
+    """One GPU generation's kernel layout, as the lowering and the call side need it."""
+
+    #: the ``KernelConfig.arch`` it builds, and the (major, minor) compute capability it runs on
+    arch: str
+    capability: tuple[int, int]
+    #: the GPUs' generation, as messages name it
+    generation: str
+    #: the template (in ``templates/``) that renders its kernels
+    template: str
+    #: the accumulator's values at one step of the pair loop, as the per-pair code reads them
+    acc_lanes: tuple[str, ...]
+    #: a pair's place among a subtile's pairs in a table's register fragment
+    table_slot: str
+    #: how many rows a thread holds in the pair loop (per-row registers), and which one it is at
+    row_registers: str
+    row_register: str
+
+    @abstractmethod
+    def tile_threads(self, config: KernelConfig) -> int:
+        """Threads that compute one tile's epilogue."""
+
+    @abstractmethod
+    def schedule(self, config: KernelConfig) -> dict:
+        """The template's constants for ``config.schedule`` (warpgroups, register budgets)."""
+
+    @abstractmethod
+    def plan_smem(self, program: Program, config: KernelConfig, declare: Callable) -> tuple:
+        """(context, EPI_STAGES, IN_STAGES, AB_STAGES) that fit the SM's shared memory, where
+        ``declare(epi_n)`` gives the context with its tensors declared for subtiles of ``epi_n``
+        accumulator columns; UnsupportedError where nothing fits."""
+
+    @abstractmethod
+    def smem_bytes(self, ctx, epi_stages: int, in_stages: int, ab_stages: int) -> int:
+        """Bytes of the template's SharedStorage under that plan."""
+
+    @abstractmethod
+    def coordinates(self, row: bool, col: bool) -> list[str]:
+        """Lines that define ``row`` and ``col`` (the pair's first column) where the body reads them."""
+
+    @abstractmethod
+    def row_shuffle(self, value: str) -> str:
+        """``value`` of the partner thread at one step of ``row_partials``' exchange."""
+
+    @abstractmethod
+    def row_partials(self, name: str, partial: str, read: list[str], fold: list[str], write: list[str]) -> list[str]:
+        """Lines that, for each row this thread holds, ``read`` its per-thread value, ``fold`` in
+        those of the other threads sharing the row (``row_shuffle``), and ``write`` the tile's
+        ``partial`` of output ``name`` once per row (``row`` defined)."""
+
+    @abstractmethod
+    def column_exchange(self, kind: str, reg: str, epi_n: int, offset: str = "") -> list[str]:
+        """Lines that fold a subtile's per-thread column values ``reg`` over the threads sharing
+        each column and park each warp's totals in ``col_scratch`` from ``offset``."""
+
+    @abstractmethod
+    def table_gather(self, tables: list[dict], slot: Callable, read: Callable) -> list[str]:
+        """Lines that load subtile ``gather_subtile``'s table values into their fragments;
+        ``slot(lanes, k)`` is lane k's fragment row, ``read(table, col)`` one element."""
