@@ -58,7 +58,7 @@ from .frontend import Expr
 from .frontend import exp as _exp
 from .frontend import interleave as _interleave
 from .frontend import where as _where
-from .primitives import ELEMENTWISE
+from .primitives import ELEMENTWISE, NO_GRADIENT
 from .program import Node, Operand, Output, Program
 
 #: ways the backward's accumulator is formed (see the module docstring)
@@ -380,9 +380,12 @@ class _Deriver:
             give(node.args[0], _reduction_gradient(kind, self.value(node.args[0]), self.value(node), segment_sum,
                                                    segment))
             return
-        rule = ELEMENTWISE[op].derivative  # the op's entry in primitives.py
-        if rule is None:
+        entry = ELEMENTWISE[op]  # the op's definition in primitives.py, its derivative rule with it
+        if entry.typing in NO_GRADIENT:
+            return
+        if entry.derivative is None:
             raise ProgramError(f"derive({self.p.name}): op {op!r} has no derivative rule ({node.describe()})")
+        rule = entry.derivative
         args = tuple(self.value(a) for a in node.args)
         for arg, grad in zip(node.args, rule(g, args, self.value(node), language)):
             give(arg, grad)

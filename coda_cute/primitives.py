@@ -70,7 +70,7 @@ class ElementwiseOp:
     helpers: tuple[str, ...] = ()
     keeps_zero: bool = False
     doc: str = ""
-    derivative: Callable | None = None  # every op has one (test_registry); None refuses derivation
+    derivative: Callable | None = None  # None: the result carries no gradient (NO_GRADIENT typings)
 
     @property
     def arity(self) -> int:
@@ -85,10 +85,6 @@ def _real(x: torch.Tensor) -> torch.Tensor:
 # Derivative rules (read by derive.py): rule(g, args, y, cc) -> one gradient per argument (None:
 # none), where g is the gradient of the result y, args and y are program values, and cc is the
 # language (coda_cute.frontend) for the functions a rule calls.  Conventions are torch's.
-def _no_gradient(g, args, y, cc):
-    return (None,) * len(args)
-
-
 def _d_min_max(smaller: bool):
     def rule(g, args, y, cc):
         a, b = args
@@ -128,10 +124,8 @@ ELEMENTWISE: dict[str, ElementwiseOp] = {op.name: op for op in [
     ElementwiseOp("div", _XY, "float", lambda x, y: torch.div(_real(x), _real(y)), "{0} / {1}", operator="/",
                   derivative=lambda g, a, y, cc: (g / a[1], -(g * y) / a[1])),
     ElementwiseOp("floordiv", _XY, "int", lambda x, y: torch.div(x, y, rounding_mode="floor"),
-                  "({0} - ((({0} % {1}) + {1}) % {1})) // {1}", operator="//",  # floor semantics, as in Python
-                  derivative=_no_gradient),
-    ElementwiseOp("mod", _XY, "int", torch.remainder, "(({0} % {1}) + {1}) % {1}", operator="%",
-                  derivative=_no_gradient),
+                  "({0} - ((({0} % {1}) + {1}) % {1})) // {1}", operator="//"),  # floor semantics, as in Python
+    ElementwiseOp("mod", _XY, "int", torch.remainder, "(({0} % {1}) + {1}) % {1}", operator="%"),
     ElementwiseOp("minimum", _XY, "arith", torch.minimum, "cute.math.min({0}, {1})", keeps_zero=True,
                   doc="The smaller of x and y, elementwise.",
                   derivative=_d_min_max(smaller=True)),
@@ -175,30 +169,23 @@ ELEMENTWISE: dict[str, ElementwiseOp] = {op.name: op for op in [
     ElementwiseOp("silu", _X, "float", lambda x: F.silu(_real(x)), "{0} * sigmoid({0})", helpers=("sigmoid",),
                   doc="x * sigmoid(x).",
                   derivative=_d_silu),
-    ElementwiseOp("lt", _XY, "compare", torch.lt, "{0} < {1}", operator="<",
-                  derivative=_no_gradient),
-    ElementwiseOp("le", _XY, "compare", torch.le, "{0} <= {1}", operator="<=",
-                  derivative=_no_gradient),
-    ElementwiseOp("gt", _XY, "compare", torch.gt, "{0} > {1}", operator=">",
-                  derivative=_no_gradient),
-    ElementwiseOp("ge", _XY, "compare", torch.ge, "{0} >= {1}", operator=">=",
-                  derivative=_no_gradient),
-    ElementwiseOp("eq", _XY, "compare", torch.eq, "{0} == {1}", operator="==",
-                  derivative=_no_gradient),
-    ElementwiseOp("ne", _XY, "compare", torch.ne, "{0} != {1}", operator="!=",
-                  derivative=_no_gradient),
-    ElementwiseOp("and_", _XY, "logic", torch.logical_and, "{0} & {1}", operator="&",
-                  derivative=_no_gradient),
-    ElementwiseOp("or_", _XY, "logic", torch.logical_or, "{0} | {1}", operator="|",
-                  derivative=_no_gradient),
-    ElementwiseOp("not_", _X, "logic", torch.logical_not, "~{0}", operator="~",
-                  derivative=_no_gradient),
+    ElementwiseOp("lt", _XY, "compare", torch.lt, "{0} < {1}", operator="<"),
+    ElementwiseOp("le", _XY, "compare", torch.le, "{0} <= {1}", operator="<="),
+    ElementwiseOp("gt", _XY, "compare", torch.gt, "{0} > {1}", operator=">"),
+    ElementwiseOp("ge", _XY, "compare", torch.ge, "{0} >= {1}", operator=">="),
+    ElementwiseOp("eq", _XY, "compare", torch.eq, "{0} == {1}", operator="=="),
+    ElementwiseOp("ne", _XY, "compare", torch.ne, "{0} != {1}", operator="!="),
+    ElementwiseOp("and_", _XY, "logic", torch.logical_and, "{0} & {1}", operator="&"),
+    ElementwiseOp("or_", _XY, "logic", torch.logical_or, "{0} | {1}", operator="|"),
+    ElementwiseOp("not_", _X, "logic", torch.logical_not, "~{0}", operator="~"),
     ElementwiseOp("where", ("cond", "x", "y"), "select", torch.where, "{t}(cutlass.select_({0}, {1}, {2}))",
                   doc="x where cond holds, else y (cond: a comparison).",
                   derivative=lambda g, a, y, cc: (None, cc.where(a[0], g, 0.0), cc.where(a[0], 0.0, g))),
 ]}
 
 COMPARISONS = tuple(name for name, op in ELEMENTWISE.items() if op.typing == "compare")
+#: typings whose results carry no gradient: integers, comparisons, logic (every other op has a rule)
+NO_GRADIENT = ("int", "compare", "logic")
 
 
 # --------------------------------------------------------------------------- operand kinds

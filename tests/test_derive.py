@@ -249,3 +249,10 @@ def _one_op_program(name):
 def test_every_differentiable_op_rule(name):
     """Each op's derivative rule (its entry in primitives.py) against autograd of its reference."""
     _check(_one_op_program(name), seed=len(name))
+
+
+def test_every_op_with_a_number_result_has_a_derivative_rule():
+    from coda_cute.primitives import NO_GRADIENT
+
+    missing = [n for n, op in ELEMENTWISE.items() if op.typing not in NO_GRADIENT and op.derivative is None]
+    assert not missing, f"ops without a derivative rule in primitives.py: {missing}"
