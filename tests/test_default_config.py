@@ -4,6 +4,7 @@ memory and beside the kernels on disk, so a later process goes straight to it.  
 cross-compile for sm_90a on this CPU-only machine; spills are read from their cubins."""
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import coda_cute as cc
 from coda_cute import cache
 from coda_cute.cache import default_candidates
+from coda_cute.cli import main
 from coda_cute.compile import stack_frame_bytes
 from coda_cute.config import KernelConfig
 from coda_cute.runtime import Kernel, SpillWarning, runtime_defaults
@@ -20,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from random_programs import random_program  # noqa: E402
 
 pytestmark = pytest.mark.compile
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @cc.epilogue
@@ -109,6 +112,36 @@ def test_a_record_is_only_trusted_for_its_key_and_its_candidates(cache_dir):
     path.chmod(0o600)
     assert cache.cached_default(geglu_save, rules) is not None
     assert cache.clear() == 2 and not (cache_dir / "defaults").exists()
+
+
+def unwrapped(source: str) -> str:
+    """An emitted module with its header's command on one line."""
+    return " ".join(source.replace("\\\n", " ").split())
+
+
+def test_cli_shows_the_decided_kernel_and_precompile_decides(cache_dir, tmp_path, capsys):
+    source = tmp_path / "glu.py"
+    source.write_text("import coda_cute as cc\n\n\n@cc.epilogue\ndef geglu_save(acc):\n"
+                      "    gate, up = cc.pairs(acc)\n    return {'D': cc.gelu(gate) * up, 'preact': acc}\n")
+    name = f"{source}:geglu_save"
+    assert main(["inspect", name]) == 0
+    shown = capsys.readouterr().out
+    assert "tile 128x192, cluster 1x2, pingpong" in shown
+    assert "a call tries cooperative 128x256, then cooperative 128x128" in shown
+    assert main(["precompile", name, "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "it spills, so calls run tile 128x256 cooperative" in out and "1 kernel in" in out
+    assert main(["emit", name]) == 0
+    assert "--tile 128x256 --cluster 1x2 --schedule cooperative" in unwrapped(capsys.readouterr().out)
+    assert main(["emit", name, "--schedule", "pingpong"]) == 0  # a flag given: no decision applies
+    assert "--tile 128x192 --cluster 1x2 --schedule pingpong" in unwrapped(capsys.readouterr().out)
+    # another process with the same cache goes straight to the decided kernel
+    code = ("from coda_cute import cache, library; from coda_cute.config import KernelConfig; "
+            f"p = library.resolve({name!r}); "
+            "d = cache.get_default_kernel(p, KernelConfig(tile=(128, 192), cluster=(1, 2), schedule='pingpong')); "
+            "print(d.config.tile, d.entry.origin, d.tried)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert done.stdout.split("\n")[0] == "(128, 256) disk []"
 
 
 # four whose rules' choice is ping-pong 128x192 (where seed 34 spills), two cooperative 128x256
