@@ -12,6 +12,8 @@ Disk layout (``cache_dir()``):
                           kernel.py        the emitted source it was compiled from
                           manifest.json    key fields, versions, compile time, sha256 of both files
     <root>/locks/<key>.lock                held while one process compiles that key
+    <root>/defaults/<key>.json             the configuration calls run where the kernel asked for
+                                           by the runtime's rules spills (``get_default_kernel``)
 
 Native code is loaded from here, so nothing is loaded that someone else could have written:
 the root, its parents, and every folder and file of an entry must belong to you (or to root,
@@ -25,7 +27,10 @@ vanished folder costs a warning, never a call.
 
 An entry is written into a temporary folder and renamed into place, so readers see a whole
 entry or none; whatever else sits at an entry's path (an interrupted write or ``clear``, a
-stray file) is removed and rebuilt by the process holding that key's lock.
+stray file) is removed and rebuilt by the process holding that key's lock.  A default record
+is one file, written the same way and checked the same way before it is read; it can only
+name one of its candidates (``default_candidates(config)``), and every process that decides
+one key writes the same record, so no lock is needed.
 
 ``precompile`` fills the disk cache ahead of time from a pool of worker processes (the
 ``coda-cute precompile`` command), so later runs load kernels instead of compiling them.
@@ -52,6 +57,7 @@ from typing import Callable, Iterable
 import filelock
 
 from . import library
+from .backends.registry import backend
 from .config import KernelConfig, parse_operand_dtypes
 from .errors import UnsupportedError
 from .lower import lower
@@ -77,6 +83,7 @@ class CacheEntry:
     origin: str  # "compiled", "disk" or "memory"
     path: Path | None
     seconds: float  # compile or load time
+    stack_frame_bytes: int | None = None  # CompiledKernel.stack_frame_bytes, kept in the manifest
 
 
 _MEMORY: dict[str, CacheEntry] = {}
@@ -290,7 +297,9 @@ def _load(folder: Path, key: str) -> CacheEntry | None:
         from cutlass.cute.runtime import load_module
 
         function = load_module(str(folder / "kernel.o"), enable_tvm_ffi=True)["func"]
-        return CacheEntry(key, function, source.decode(), "disk", folder, time.perf_counter() - start)
+        frame = manifest.get("stack_frame_bytes")
+        frame = frame if type(frame) is int and frame >= 0 else None
+        return CacheEntry(key, function, source.decode(), "disk", folder, time.perf_counter() - start, frame)
     except Exception:  # unreadable, half-written, or refused by the loader: rebuilt by the lock holder
         return None
 
@@ -300,7 +309,8 @@ def _compile(program: Program, config: KernelConfig, key: str) -> CacheEntry:
 
     with _COMPILE_LOCK:
         compiled = compile_program(program, config, tvm_ffi=True)
-    return CacheEntry(key, compiled.function, compiled.source, "compiled", None, compiled.compile_seconds)
+    return CacheEntry(key, compiled.function, compiled.source, "compiled", None, compiled.compile_seconds,
+                      compiled.stack_frame_bytes)
 
 
 def _store(entry: CacheEntry, program: Program, config: KernelConfig, folder: Path) -> None:
@@ -318,6 +328,7 @@ def _store(entry: CacheEntry, program: Program, config: KernelConfig, folder: Pa
                 "program": program.name,
                 "config": config.describe(),
                 "compile_seconds": round(entry.seconds, 3),
+                "stack_frame_bytes": entry.stack_frame_bytes,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "object_sha256": _sha256(staging / "kernel.o"),
                 "source_sha256": hashlib.sha256(entry.source.encode()).hexdigest(),
@@ -352,6 +363,153 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""
 
 
+# ----------------------------------------------------------------------------- default configurations
+#: Where the kernel of the runtime's choice spills registers, a call that fixed none of tile,
+#: cluster and schedule runs the first of these (tile, schedule) that does not (get_default_kernel):
+#: cooperative 128x256 leads for large outputs (and a GLU with its saved pre-activation ran 5 %
+#: faster there, spill-free, than spilling at ping-pong 128x192); cooperative 128x128 leaves the
+#: epilogue the most registers of the tiles the runtime picks itself (64 accumulators per thread)
+SPILL_FALLBACKS = (((128, 256), "cooperative"), ((128, 128), "cooperative"))
+
+
+def default_candidates(config: KernelConfig) -> list[KernelConfig]:
+    """``config`` (the runtime's choice for a call that fixed none of tile, cluster and schedule),
+    then the SPILL_FALLBACKS that hold fewer fp32 accumulators per thread (a kernel with as many
+    has no more room for the epilogue), with its cluster and every other field."""
+    def accumulators(c: KernelConfig) -> int:
+        return c.tile[0] * c.tile[1] // backend(c.arch).tile_threads(c)
+
+    fallbacks = (config.with_(tile=tile, schedule=schedule) for tile, schedule in SPILL_FALLBACKS)
+    return [config] + [c for c in fallbacks if accumulators(c) < accumulators(config)]
+
+
+_DEFAULTS: dict[str, KernelConfig] = {}  # cache key of the rules' choice -> the configuration calls run
+
+
+@dataclass
+class DefaultKernel:
+    """What ``get_default_kernel`` found: the configuration calls run and its kernel."""
+
+    config: KernelConfig
+    entry: CacheEntry
+    #: the candidates compiled or loaded to decide, in order (empty where the decision was kept)
+    tried: list[tuple[KernelConfig, CacheEntry]]
+
+
+def get_default_kernel(program: Program, config: KernelConfig) -> DefaultKernel:
+    """The kernel a call runs when it fixed none of tile, cluster and schedule: ``config`` (the
+    runtime's rules' choice) unless its kernel spills registers, then the first of the fallbacks
+    in ``default_candidates(config)`` that does not (``config`` where every one does).
+
+    Spills are read from each kernel's stack frame (``CompiledKernel.stack_frame_bytes``, free at
+    compile time and kept in the manifest); a kernel whose frame is unknown is taken as it is.
+    Candidates compile into the cache like any kernel, and the decision is kept in memory and on
+    disk (``<root>/defaults/<key>.json``, key: the rules' choice's ``cache_key``), so a later call
+    or process goes straight to the chosen kernel and nothing is compiled twice."""
+    config = config.resolved(program)
+    key = cache_key(program, config)
+    with _LOCK:
+        key_lock = _KEY_LOCKS.setdefault(f"default-{key}", threading.Lock())
+    with key_lock:
+        chosen = _kept_default(key, config)
+        if chosen is not None:
+            return DefaultKernel(chosen, get_kernel(program, chosen), [])
+        tried = []
+        for candidate in default_candidates(config):
+            if tried and not _lowers(program, candidate):
+                continue  # a fallback's tile may not fit a segment, or its rings the shared memory
+            entry = get_kernel(program, candidate)
+            tried.append((candidate, entry))
+            if not entry.stack_frame_bytes:
+                break
+        chosen, entry = tried[-1] if not tried[-1][1].stack_frame_bytes else tried[0]
+        _DEFAULTS[key] = chosen
+        _write_default(program, config, key, chosen, tried)
+    return DefaultKernel(chosen, entry, tried)
+
+
+def cached_default(program: Program, config: KernelConfig) -> KernelConfig | None:
+    """The configuration ``get_default_kernel`` decided for ``config``, from memory or disk, or None
+    where it has not been decided (compiles nothing: what ``coda-cute emit`` and ``inspect`` show)."""
+    if not _DEFAULTS and not (cache_dir() / "defaults").is_dir():
+        return None  # nothing decided anywhere: no key needed (its versions import the DSL, ~1 s)
+    config = config.resolved(program)
+    return _kept_default(cache_key(program, config), config)
+
+
+def _lowers(program: Program, config: KernelConfig) -> bool:
+    try:
+        lower(program, config)
+        return True
+    except UnsupportedError:
+        return False
+
+
+def _kept_default(key: str, config: KernelConfig) -> KernelConfig | None:
+    chosen = _DEFAULTS.get(key)
+    if chosen is None:
+        root, _ = _open_root()
+        chosen = _read_default(root / "defaults" / f"{key}.json", key, config) if root else None
+        if chosen is not None:
+            _DEFAULTS[key] = chosen
+    return chosen
+
+
+def _choice(config: KernelConfig) -> dict:
+    return {"tile": list(config.tile), "cluster": list(config.cluster), "schedule": config.schedule}
+
+
+def _read_default(path: Path, key: str, config: KernelConfig) -> KernelConfig | None:
+    """The candidate of ``config`` the record at ``path`` names, if it passes the trust checks and
+    is the record of ``key``, else None."""
+    try:
+        if not os.path.lexists(path):
+            return None
+        why = _untrusted(path.parent, want_dir=True) or _untrusted(path, want_dir=False)
+        if why:
+            _warn_once(f"coda-cute kernel cache: not reading default {path.stem[:12]}: {why}")
+            return None
+        record = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(record, dict) or record.get("key") != key:
+        return None
+    return next((c for c in default_candidates(config) if _choice(c) == record.get("chosen")), None)
+
+
+def _write_default(program: Program, config: KernelConfig, key: str, chosen: KernelConfig,
+                   tried: list[tuple[KernelConfig, CacheEntry]]) -> None:
+    """Record ``chosen`` for ``key`` where the root may be written; on failure warn, keep it in memory."""
+    root, writable = _open_root()
+    if root is None or not writable:
+        return
+    record = {
+        "key": key,
+        "fields": key_fields(program, config),
+        "program": program.name,
+        "asked": config.describe(),
+        "chosen": _choice(chosen),
+        "tried": [{"config": short_config(c), "stack_frame_bytes": e.stack_frame_bytes} for c, e in tried],
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    try:
+        folder = _private_subdir(root / "defaults")
+        path = folder / f"{key}.json"
+        if path.is_dir() and not path.is_symlink():  # a stray folder in its place (a link is replaced)
+            shutil.rmtree(path)
+        handle, staging = tempfile.mkstemp(prefix=f".{key[:8]}-", suffix=".json", dir=folder)  # private
+        try:
+            with os.fdopen(handle, "w") as file:
+                file.write(json.dumps(record, indent=1))
+            os.replace(staging, path)  # atomic: readers see the whole record or none
+        except BaseException:
+            Path(staging).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        _warn_once(f"coda-cute kernel cache: cannot write {root / 'defaults'} ({exc.strerror or exc}); "
+                   "default configurations stay in memory")
+
+
 # ----------------------------------------------------------------------------- listing
 def list_entries() -> list[dict]:
     """Manifests of the disk cache's entries (for `coda-cute cache ls`), every field a plain
@@ -377,14 +535,14 @@ def list_entries() -> list[dict]:
 
 
 def clear() -> int:
-    """Remove every disk entry (and what interrupted writes left); returns how many entries were
-    removed.  Memory entries stay loaded."""
+    """Remove every disk entry and default record (and what interrupted writes left); returns how
+    many entries were removed.  Memory entries stay loaded."""
     root = cache_dir()
     if not root.is_dir():
         return 0
     removed = 0
     for shard in root.iterdir():
-        if shard.name == "locks" or not shard.is_dir() or shard.is_symlink():
+        if shard.name in ("locks", "defaults") or not shard.is_dir() or shard.is_symlink():
             continue
         for item in shard.iterdir():
             removed += (item / "manifest.json").exists() and not item.name.startswith(".")
@@ -392,7 +550,8 @@ def clear() -> int:
                 shutil.rmtree(item, ignore_errors=True)
             else:
                 item.unlink(missing_ok=True)
-    shutil.rmtree(root / "locks", ignore_errors=True)
+    for name in ("locks", "defaults"):
+        shutil.rmtree(root / name, ignore_errors=True)
     return removed
 
 
@@ -415,6 +574,7 @@ class PrecompileResult:
     seconds: float = 0.0  # wall time in the worker (render + compile + export, or load)
     path: str | None = None  # the cache entry's folder
     message: str = ""  # why it was skipped or failed
+    chosen: KernelConfig | None = None  # with ``decide``: the configuration calls run (``config`` or a fallback)
 
     @property
     def ok(self) -> bool:
@@ -423,7 +583,9 @@ class PrecompileResult:
     def line(self) -> str:
         what = f"{self.program} {short_config(self.config)}"
         if self.ok:
-            return f"{what}: {self.seconds:.2f} s ({self.status})"
+            spills = "" if self.chosen in (None, self.config) else (
+                f"; it spills, so calls run tile {self.chosen.tile[0]}x{self.chosen.tile[1]} {self.chosen.schedule}")
+            return f"{what}: {self.seconds:.2f} s ({self.status}){spills}"
         return f"{what}: {self.status} ({self.message})"
 
 
@@ -433,11 +595,19 @@ def _plain(program: Program) -> Program:
     return Program(program.name, program.operands, program.outputs, program.doc, origin=program_reference(program))
 
 
-def _compile_one(program: Program, config: KernelConfig) -> tuple[str, float, str | None]:
-    """Worker: compile (or find) one kernel in the disk cache."""
+def _compile_one(program: Program, config: KernelConfig,
+                 decide: bool) -> tuple[str, float, str | None, KernelConfig | None]:
+    """Worker: compile (or find) one kernel in the disk cache, or with ``decide`` the default
+    kernel for ``config`` ("compiled" where any candidate was), and the configuration it chose."""
     start = time.perf_counter()
-    entry = get_kernel(program, config)
-    return entry.origin, time.perf_counter() - start, (str(entry.path) if entry.path else None)
+    if decide:
+        default = get_default_kernel(program, config)
+        entry, chosen = default.entry, default.config
+        origin = "compiled" if any(e.origin == "compiled" for _, e in default.tried) else entry.origin
+    else:
+        entry, chosen = get_kernel(program, config), None
+        origin = entry.origin
+    return origin, time.perf_counter() - start, (str(entry.path) if entry.path else None), chosen
 
 
 def precompile(programs: Iterable[Program | str], configs: Iterable[KernelConfig], *, jobs: int | None = None,
@@ -460,8 +630,10 @@ def precompile(programs: Iterable[Program | str], configs: Iterable[KernelConfig
 
 
 def precompile_pairs(pairs: Iterable[tuple[Program, KernelConfig]], *, jobs: int | None = None,
-                     progress: Callable[[str], None] | None = None) -> list[PrecompileResult]:
-    """``precompile`` for an explicit list of (program, config) pairs."""
+                     progress: Callable[[str], None] | None = None, decide: bool = False) -> list[PrecompileResult]:
+    """``precompile`` for an explicit list of (program, config) pairs.  With ``decide`` each config
+    is the runtime's rules' choice for calls that fix none of tile, cluster and schedule, and its
+    default is decided and recorded (``get_default_kernel``: the fallbacks compile where it spills)."""
     results: list[PrecompileResult] = []
     tasks: list[tuple[Program, KernelConfig]] = []
     seen: set[str] = set()
@@ -482,12 +654,12 @@ def precompile_pairs(pairs: Iterable[tuple[Program, KernelConfig]], *, jobs: int
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
     context = multiprocessing.get_context("spawn")  # the DSL's compiler state does not survive fork
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        futures = {pool.submit(_compile_one, _plain(p), c): (p, c) for p, c in tasks}
+        futures = {pool.submit(_compile_one, _plain(p), c, decide): (p, c) for p, c in tasks}
         for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
             program, config = futures[future]
             try:
-                origin, seconds, path = future.result()
-                result = PrecompileResult(program.name, config, origin, seconds, path)
+                origin, seconds, path, chosen = future.result()
+                result = PrecompileResult(program.name, config, origin, seconds, path, chosen=chosen)
             except Exception as exc:  # a compiler failure, or a worker that died: report it, go on
                 text = str(exc).strip()
                 first = text.splitlines()[0] if text else ""

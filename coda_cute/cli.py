@@ -19,6 +19,13 @@ Config flags (the ones every emitted kernel's header prints, so that line regene
 ``--arch sm_90a --gpu H200 --dtype bf16 --majors kk --tile 128x256 --cluster 2x1
 --schedule cooperative --operand-dtype NAME=DTYPE``.
 
+Without ``--tile``, ``--cluster`` and ``--schedule`` the commands build what a call on a large
+problem runs: the runtime's rules' choice, or, where its kernel spills registers, the fallback a
+call decided on (``cache.get_default_kernel``).  ``emit`` and ``inspect`` use a decision already in
+the cache (they compile nothing to make one; ``inspect`` says when the kernel it shows spills
+undecided); ``precompile`` makes it, compiling the fallbacks where the rules' choice spills, and
+records it, so later calls go straight to the kernel they run.
+
 Errors the user can fix (``coda_cute.errors.CodaError``) print as one line,
 ``coda-cute: error: <message>``, and exit with status 2.
 
@@ -151,8 +158,30 @@ def parse_table_periods(program: Program, items) -> tuple[tuple[str, int], ...]:
     return tuple(found.items())
 
 
+def _default_path(args) -> bool:
+    """Whether the command line fixes none of tile, cluster and schedule (see the module docstring)."""
+    return not (args.tile or args.cluster or args.schedule)
+
+
 def _config(program: Program, args) -> KernelConfig:
-    """The kernel the flags describe; what they leave out follows `Kernel`'s defaults."""
+    """The kernel the command builds: the flags' (``_flag_config``), or with none of tile, cluster
+    and schedule given, the default decided already for it where there is one."""
+    config = _flag_config(program, args)
+    return _decided(program, args, config) or config
+
+
+def _decided(program: Program, args, config: KernelConfig) -> KernelConfig | None:
+    """The default decided for the flags' ``config`` (``cache.cached_default``), where they leave
+    tile, cluster and schedule to the runtime and a call or ``precompile`` has decided it."""
+    if not _default_path(args):
+        return None
+    from .cache import cached_default
+
+    return cached_default(program, config)
+
+
+def _flag_config(program: Program, args) -> KernelConfig:
+    """The kernel the flags describe; what they leave out follows `Kernel`'s rules."""
     tile, cluster, schedule = runtime_defaults(  # an unknown schedule is kept, for check() to name
         program, parse_tile(args.tile) if args.tile else None, parse_cluster(args.cluster) if args.cluster else None,
         args.schedule)
@@ -216,7 +245,9 @@ def cmd_inspect(args) -> int:
     from .render import emit
 
     program, reference = _program(args)
-    config = _config(program, args)
+    asked = _flag_config(program, args)
+    decided = _decided(program, args, asked)
+    config = decided or asked
     source = emit(program, config, reference=reference)
     wanted = [w for w in ("source", "ptx", "sass", "regs") if getattr(args, w)] or ["regs"]
     keep = tuple(w for w in ("ptx", "sass") if w in wanted)
@@ -231,6 +262,14 @@ def cmd_inspect(args) -> int:
         compiled = compile_source(source, program, config, keep=kept, dump_dir=dump if kept else None,
                                   source_dir=Path(tmp) / "src", report="regs" in wanted)
         _out(f"# {program.name}: {config.describe()}; compiled in {compiled.compile_seconds:.2f} s")
+        if _default_path(args) and not decided and compiled.stack_frame_bytes:
+            from .cache import default_candidates  # (a large problem's rules' choice always has some)
+
+            fallbacks = ", then ".join(f"{c.schedule} {c.tile[0]}x{c.tile[1]}"
+                                       for c in default_candidates(config)[1:])
+            _out(f"# it spills ({compiled.stack_frame_bytes} bytes of stack frame per thread) and no default is "
+                 f"decided for it yet: a call tries {fallbacks} and runs the first that does not spill "
+                 "(`coda-cute precompile` decides it ahead of time)")
         if "source" in wanted:
             _out("# ---- source")
             sys.stdout.write(source)
@@ -331,7 +370,7 @@ def cmd_precompile(args) -> int:
         raise UnsupportedError(f"--jobs {args.jobs}: expected at least 1")
     pairs = precompile_requests(args)
     start = time.perf_counter()
-    results = precompile_pairs(pairs, jobs=args.jobs, progress=_out)
+    results = precompile_pairs(pairs, jobs=args.jobs, progress=_out, decide=_default_path(args))
     skipped = [r for r in results if r.status == "skipped"]
     failed = [r for r in results if r.status == "failed"]
     built = [r for r in results if r.ok]

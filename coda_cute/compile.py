@@ -16,6 +16,7 @@ import importlib.util
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -45,6 +46,10 @@ class CompiledKernel:
     compile_seconds: float
     artifacts: dict = field(default_factory=dict)  # 'ptx' / 'cubin' / 'sass' -> Path
     report: str = ""  # ptxas' register / spill report, when asked for
+    #: local memory per thread of its largest kernel, from the cubin (None: not found there): where
+    #: ptxas puts spilled registers, and 0 exactly when nothing spills (the kernels have no local
+    #: arrays or calls); free to read, unlike ``spill_bytes``, which needs ``report``
+    stack_frame_bytes: int | None = None
 
     @property
     def registers(self) -> int | None:
@@ -161,18 +166,25 @@ def compile_source(source: str, program: Program, config: KernelConfig, *, keep:
     stream = make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
     if tvm_ffi:
         options += " --enable-tvm-ffi"
-    if keep:
-        dump_dir = Path(dump_dir or tempfile.mkdtemp(prefix="coda_cute_dump_"))
-        dump_dir.mkdir(parents=True, exist_ok=True)  # CuTe DSL fails if it does not exist
-        options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     if report:
         options += " remarks{ptx}"
     captured = io.StringIO()
-    start = time.perf_counter()
-    with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
-        function = cute.compile(kernel_class(), *args, stream, options=options)
-    seconds = time.perf_counter() - start
-    compiled = CompiledKernel(program, config, source, function, module, seconds, report=captured.getvalue())
+    with contextlib.ExitStack() as scratch:
+        # the cubin is always kept (in memory, and in dump_dir): its stack frame sizes are free to
+        # read, where ptxas' report (remarks) makes compiles up to 3x slower
+        if keep:
+            dump_dir = Path(dump_dir or tempfile.mkdtemp(prefix="coda_cute_dump_"))
+            dump_dir.mkdir(parents=True, exist_ok=True)  # CuTe DSL fails if it does not exist
+            options += " --keep-ptx"
+        else:
+            dump_dir = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="coda_cute_cubin_")))
+        options += f" --keep-cubin --dump-dir {dump_dir}"
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+            function = cute.compile(kernel_class(), *args, stream, options=options)
+        seconds = time.perf_counter() - start
+    compiled = CompiledKernel(program, config, source, function, module, seconds, report=captured.getvalue(),
+                              stack_frame_bytes=stack_frame_bytes(function.__cubin__))
     if keep:
         compiled.artifacts = _collect(dump_dir, keep)
     return compiled
@@ -183,6 +195,40 @@ def compile_program(program: Program, config: KernelConfig | None = None, **kwar
     config = config or KernelConfig()
     source = render(lower(program, config))
     return compile_source(source, program, config, **kwargs)
+
+
+_EIFMT_SVAL = 4  # an .nv.info record whose 16-bit field is the size of the value that follows
+_EIATTR_FRAME_SIZE = 0x11  # its value: (ELF symbol index, stack frame bytes) of one function
+
+
+def stack_frame_bytes(cubin: bytes | None) -> int | None:
+    """The largest stack frame (local memory per thread) among the functions of ``cubin``, from
+    the EIATTR_FRAME_SIZE records of its ``.nv.info`` sections (what ``ptxas -v`` prints as
+    "bytes stack frame"); None if it has none, or is not a 64-bit little-endian ELF file."""
+    if not cubin or cubin[:6] != b"\x7fELF\x02\x01":
+        return None
+    try:
+        (table_at,) = struct.unpack_from("<Q", cubin, 0x28)
+        entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+        # Elf64_Shdr: name, (type, flags, addr), offset, size
+        sections = [struct.unpack_from("<I20xQQ", cubin, table_at + i * entry_size) for i in range(count)]
+        names_at = sections[names_index][1]
+        frames = []
+        for name, offset, size in sections:
+            start = names_at + name
+            if not cubin[start:cubin.index(b"\0", start)].startswith(b".nv.info"):
+                continue
+            at = offset
+            while at + 4 <= offset + size:  # records: format, attribute, a 16-bit value or size
+                fmt, attribute, value = struct.unpack_from("<BBH", cubin, at)
+                at += 4
+                if fmt == _EIFMT_SVAL:
+                    if attribute == _EIATTR_FRAME_SIZE and value == 8:
+                        frames.append(struct.unpack_from("<I", cubin, at + 4)[0])
+                    at += value
+        return max(frames) if frames else None
+    except (struct.error, ValueError, IndexError):
+        return None
 
 
 def _collect(dump_dir: Path, keep: tuple[str, ...]) -> dict:

@@ -15,12 +15,20 @@ kernel cannot take is rejected with an ArgumentError, never silently computed an
 Outputs are allocated unless passed in ``out={name: tensor}``: written in place and returned
 as given (views into larger buffers are fine: only the row stride must be 16-byte aligned).
 Reductions come back finished; ``return_partials=True`` adds the per-tile partials.
+
+Tile, cluster and schedule left unset are chosen by rules measured on the library
+(``default_tile``); where the rules' kernel spills registers, a GPU call runs the first fallback
+that does not (``cache.get_default_kernel``: ptxas' stack frame, read at compile time; the
+decision is cached beside the kernels).  Settings the caller fixed are built as given, with a
+SpillWarning where they spill.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,7 +42,14 @@ from .lower import fits_shared_memory, lower, tables_in_segment_reductions
 from .primitives import check_scalar
 from .program import Program
 
+if TYPE_CHECKING:
+    from .cache import CacheEntry
+
 _GPU_NAMES = {"H200": "H200", "H100 PCIe": "H100-PCIe", "H100": "H100", "H800": "H800", "H20": "H20"}
+
+
+class SpillWarning(UserWarning):
+    """The kernel of a configuration the caller fixed spills registers (slower, still correct)."""
 
 
 @dataclass
@@ -77,7 +92,9 @@ class Kernel:
         self._plans: dict = {}
 
     def config_for(self, problem: Problem) -> KernelConfig:
-        """The configuration this call needs (specializes on dtypes, majors and GPU)."""
+        """The configuration this call needs (specializes on dtypes, majors and GPU): with tile,
+        cluster and schedule as fixed, or, where none is, as the rules choose (``default_tile``),
+        which a GPU call runs unless its kernel spills (``cache.get_default_kernel``)."""
         a, b = problem.a, problem.b
         majors = ("k" if a.stride(1) == 1 else "m") + ("k" if b.stride(1) == 1 else "n")
         operand_dtypes = tuple(
@@ -139,10 +156,26 @@ class Kernel:
         if not problem.a.is_cuda:
             lower(self.program, config)  # everything the compile would refuse (UnsupportedError)
             return ReferencePlan(self.program, config, None, config.tile), problem
-        from .cache import get_kernel
-
-        entry = get_kernel(self.program, config)
+        config, entry = self.kernel_for(config)
         return CallPlan.build(self.program, problem, config, entry.function, entry.key), problem
+
+    def kernel_for(self, config: KernelConfig) -> tuple[KernelConfig, CacheEntry]:
+        """(the configuration calls run, its ``cache.CacheEntry``) for ``config`` from ``config_for``,
+        compiled for its arch (no GPU needed) or from the cache: where this Kernel fixes none of
+        tile, cluster and schedule, the rules' choice unless it spills (``cache.get_default_kernel``),
+        else exactly ``config``, with a SpillWarning where it spills."""
+        from .cache import get_default_kernel, get_kernel
+
+        if self.tile is None and self.cluster is None and self.schedule is None:
+            default = get_default_kernel(self.program, config)
+            return default.config, default.entry
+        entry = get_kernel(self.program, config)
+        if entry.stack_frame_bytes:
+            warnings.warn(f"{self.program.name}: the kernel at {config.describe()} spills registers "
+                          f"({entry.stack_frame_bytes} bytes of stack frame per thread); with tile, cluster and "
+                          "schedule left unset, calls run a configuration that does not spill where one exists",
+                          SpillWarning, stacklevel=2)
+        return config, entry
 
 
 @dataclass

@@ -119,6 +119,8 @@ def test_library_program_compiles_to_expected_sass(name, config_name, tmp_path):
         return
     compiled = compile_program(program, config, keep=("sass",), dump_dir=tmp_path / "dump",
                                source_dir=tmp_path / "src", report=True)
+    # the runtime's default decision reads spills from the cubin's stack frame: ptxas' report agrees
+    assert (compiled.stack_frame_bytes > 0) == (compiled.spill_bytes > 0), f"{name}: {compiled.stack_frame_bytes}"
     if name in SPILLS_AT.get(config_name, ()):
         tile, _, schedule = runtime_defaults(program)
         if config.schedule == "pingpong":  # registers beside a whole-tile accumulator: the default stays cooperative
@@ -471,7 +473,7 @@ def test_random_composition_compiles_without_spills(seed, tmp_path):
                                source_dir=tmp_path / "src", report=True)
     sass = compiled.artifacts["sass"].read_text()
     assert "HGMMA" in sass and "LDL" not in sass and "STL" not in sass
-    assert compiled.spill_bytes == 0
+    assert compiled.spill_bytes == 0 and compiled.stack_frame_bytes == 0
 
 
 def _unused_locals(source: str) -> list[str]:
