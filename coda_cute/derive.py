@@ -369,7 +369,7 @@ class _Deriver:
             slot[k] = g if slot[k] is None else slot[k] + g
             return
         if op == "interleave":
-            even, odd = _pairs(_broadcast(g, space))
+            even, odd = language.pairs(_broadcast(g, space))
             give(node.args[0], even)
             give(node.args[1], odd)
             return
@@ -426,7 +426,7 @@ class _Deriver:
                     if width == Fraction(1):
                         parts, layout = [g], "col"
                     elif width == Fraction(2):
-                        parts, layout = list(_pairs(g)), "col_pairs"
+                        parts, layout = list(language.pairs(g)), "col_pairs"
                     else:
                         parts, layout = [_interleave(g, 0.0)], "col_even"
                     for part in parts:
@@ -483,12 +483,6 @@ def _broadcast(g: Expr, space: Fraction) -> Expr:
         return g
     col = Expr(Node("col", (), (), "i32", space))
     return _where(col >= 0, g, 0.0)
-
-
-def _pairs(g: Expr) -> tuple[Expr, Expr]:
-    node = g.node
-    half = node.width / 2
-    return tuple(Expr(Node("pair", (node,), (k,), node.dtype, half)) for k in (0, 1))  # type: ignore[return-value]
 
 
 def _reads(outputs: list[Output]) -> set[str]:

@@ -296,8 +296,9 @@ class _ChainFunction(torch.autograd.Function):
                 _upstream_values(values, d, grads, inputs[i], weights[i])
             if i == n - 1 and d.accumulator == "upstream":  # an elementwise pass over the gradient
                 given = {operand.name: values[operand.name] for operand in d.backward.operands}
-                found = d.assemble(evaluate_accumulator(d.backward, _output_gradient(d, grads, inputs[i], weights[i]),
-                                                        given).outputs)
+                out, grad = next((o, g) for o, g in zip(d.program.outputs, grads) if o.name == d.grad_of)
+                acc = _output_gradient(out, grad, inputs[i], weights[i])
+                found = d.assemble(evaluate_accumulator(d.backward, acc, given).outputs)
             else:
                 if i == n - 1:  # its GEMM again
                     a, b = inputs[i], weights[i]
@@ -333,26 +334,22 @@ def _kept(d: Derivative) -> list[str]:
 
 
 def _upstream_values(values: dict, d: Derivative, grads, a: torch.Tensor, b: torch.Tensor) -> None:
-    """The gradients autograd gives for the outputs, as the backward program's operands (zeros
-    for an output no gradient reached)."""
+    """The gradients autograd gives for the outputs, as the backward program's operands."""
     holders = dict(d.upstream_operands)
     for out, grad in zip(d.program.outputs, grads):
-        if out.name not in holders:
-            continue
-        cols = b.shape[0] * out.node.width.numerator // out.node.width.denominator
-        if out.is_reduction:
-            shape = a.shape[:-1] if out.axis == "row" else (cols,)
-            grad = (grad if grad is not None else a.new_zeros(shape)).float()
-        else:  # a tile gradient, read like a tile operand: in the inputs' dtype
-            grad = (grad if grad is not None else a.new_zeros((*a.shape[:-1], cols))).to(a.dtype).contiguous()
-        values[holders[out.name]] = grad
+        if out.name in holders:
+            values[holders[out.name]] = _output_gradient(out, grad, a, b)
 
 
-def _output_gradient(d: Derivative, grads, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The gradient autograd gives for the tile output ``d.grad_of`` (zeros where none reached it)."""
-    out, grad = next((o, g) for o, g in zip(d.program.outputs, grads) if o.name == d.grad_of)
+def _output_gradient(out, grad, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The gradient autograd gives for output ``out`` of the GEMM of ``a`` and ``b``, as the
+    backward reads it (zeros where none reached it): fp32 for a reduction, a tile in the inputs'
+    dtype."""
     cols = b.shape[0] * out.node.width.numerator // out.node.width.denominator
-    return (grad if grad is not None else a.new_zeros((*a.shape[:-1], cols))).to(a.dtype)
+    if out.is_reduction:
+        shape = a.shape[:-1] if out.axis == "row" else (cols,)
+        return (grad if grad is not None else a.new_zeros(shape)).float()
+    return (grad if grad is not None else a.new_zeros((*a.shape[:-1], cols))).to(a.dtype).contiguous()
 
 
 def _weight_gradient(d_acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
