@@ -117,6 +117,10 @@ def ops_for(d: int, m: int, rope_positions: int = 4096):
     ops.append(("QKV dgrad + RMSNorm bwd stats", library.get("rmsnorm_bwd"), dz, w_qkv.t(),
                 {"x": x, "rstd": rstd, "gamma": gamma},
                 lambda a, b, x, rstd, gamma: _rms_bwd(a @ b.t(), x, rstd, gamma)))
+    dz_gate_up, rowdot = torch.randn(m, 2 * ffn, device=dev, dtype=bf), torch.randn(m, device=dev)
+    ops.append(("gate/up dgrad + RMSNorm bwd, all of dx", library.get("rmsnorm_bwd_rowdot"), dz_gate_up,
+                w(2 * ffn, d).t(), {"x": x, "rstd": rstd, "gamma": gamma, "dresidual": dy, "rowdot": rowdot,
+                                    "inv_n": 1.0 / d}, _rms_bwd_rowdot))
     return ops
 
 
@@ -171,7 +175,8 @@ def tree_contender(tree, kernel, a, b, operands):
 
 
 def _swiglu_bwd_h(dh, preact):
-    return {"D": swiglu_bwd_torch(dh, preact), "h": _swiglu(preact)}
+    dz = swiglu_bwd_torch(dh, preact)
+    return {"D": dz, "h": _swiglu(preact), "rowdot": (dz.float() * preact.float()).sum(-1)}
 
 
 def quack_contender(name, a, b, operands):
@@ -212,6 +217,13 @@ def _rms_bwd(dy, x, rstd, gamma):
     dx_hat = dyf * gamma.float()
     return {"D": (dx_hat * rstd[:, None]).to(dy.dtype), "rowdot": (dx_hat * x_hat).sum(-1),
             "dgamma": (dyf * x_hat).sum(0)}
+
+
+def _rms_bwd_rowdot(a, b, x, rstd, gamma, dresidual, rowdot, inv_n):
+    dy = (a @ b.t()).float()
+    x_hat = x.float() * rstd[:, None]
+    dx = (dy * gamma.float() - x_hat * (rowdot * inv_n)[:, None]) * rstd[:, None] + dresidual.float()
+    return {"D": dx.to(a.dtype), "x_norm": (x_hat * gamma.float()).to(a.dtype), "dgamma": (dy * x_hat).sum(0)}
 
 
 def main():

@@ -15,14 +15,15 @@ forward
   4. `residual_sumsq`: h_out = h + a @ W_down.T, plus sum(h_out^2) per row for the next norm.
 backward (dh_out)
   5. `swiglu_bwd_recompute`: dz = SwiGLU'(z) * (dh_out @ W_down), written over z (the op
-     mutates its operand: one tokens x 2 ffn buffer through the backward), and a recomputed
-     (not saved);
+     mutates its operand: one tokens x 2 ffn buffer through the backward), a recomputed (not
+     saved), and rowdot = sum(dz * z) per row, which equals the norm's row statistic
+     sum(dy * y) (y the normalized input, dy = dz @ W_gate_up its gradient);
   6. dW_down = dh_out.T @ a (a plain GEMM); a is released before the next GEMM allocates;
-  7. `rmsnorm_bwd_residual`: in the dgrad dz @ W_gate_up, D = dx_hat * rstd + dh_out, the
-     normalized input x = h * rstd * gamma (stored for the weight gradient, not saved from the
-     forward), row dots and dgamma partials;
-  8. dW_gate_up = dz.T @ x, and dh = D - h * rstd^2 * rowdot / d (one elementwise pass, in place
-     over D).
+  7. `rmsnorm_bwd_rowdot`: in the dgrad dz @ W_gate_up, the whole
+     dh = (dy * gamma - h * rstd * rowdot / d) * rstd + dh_out, the normalized input
+     x = h * rstd * gamma (stored for the weight gradient, not saved from the forward) and
+     dgamma partials;
+  8. dW_gate_up = dz.T @ x (a plain GEMM).
 
 GEMMs with nothing to fuse (weight gradients, the O projection's dgrad) call cuBLAS
 through ``torch.matmul``: coda-cute's own plain GEMM runs at 0.97-1.01x cuBLAS on the H200
@@ -34,7 +35,8 @@ RoPE in the QKV GEMM's epilogue; q/k weight rows in interleaved-pair order, see
 for the O projection; q, k and v are views of the one buffer the QKV GEMM wrote.  RoPE's
 backward (the inverse rotation of dq, dk) acts on the QKV dgrad's *input*: `qkv_gradient`
 rotates dq and dk back and lays dq, dk, dv out as that GEMM's input in one compiled pass
-(no concatenation), and the dgrad's epilogue is `rmsnorm_bwd_residual` as in the MLP: the
+(no concatenation), taking the norm's row statistic sum(dq * q + dk * k + dv * v) on the way
+(a rotation keeps dot products), and the dgrad's epilogue is `rmsnorm_bwd_rowdot` as in the MLP: the
 residual stream h passes through the QKV step's autograd function, so its gradient arrives
 there to join in the epilogue.
 ``LlamaBlock`` chains the two, passing the residual statistics from one to the next.
@@ -87,7 +89,7 @@ def _heads(w: torch.Tensor, head_dim: int) -> int:
 
 # registered at import, so torch.compile traces straight to the ops (no file access while tracing)
 _OPS = {name: library_op(library.get(name))
-        for name in ("rms_swiglu_save", "residual_sumsq", "rmsnorm_bwd_residual", "cross_entropy_stats",
+        for name in ("rms_swiglu_save", "residual_sumsq", "rmsnorm_bwd_rowdot", "cross_entropy_stats",
                      "cross_entropy_stats_save", "cross_entropy_bwd")}
 # the pre-activation's gradient written over the saved pre-activation (ops.library_op): one
 # tokens x 2 ffn buffer instead of two through the backward
@@ -114,24 +116,21 @@ class _LlamaMLPFunction(torch.autograd.Function):
         h, rstd, z, gamma, w_gate_up, w_down = ctx.saved_tensors
         d = h.shape[-1]
         dy = dh_out.reshape(-1, d).to(h.dtype).contiguous()
-        a = ops["swiglu_bwd_recompute"](dy, w_down.t(), z)  # z now holds dz, its gradient
+        a, rowdot = ops["swiglu_bwd_recompute"](dy, w_down.t(), z)  # z now holds dz, its gradient
         dw_down = dy.t() @ a  # plain GEMM: cuBLAS (module docstring)
         del a  # before the dgrad's outputs are allocated: the backward's peak memory
-        dh, dgamma, dw_gate_up = _rmsnorm_backward(ops, z, w_gate_up, h, rstd, gamma, dy)
+        dh, dgamma, dw_gate_up = _rmsnorm_backward(ops, z, w_gate_up, h, rstd, gamma, dy, rowdot)
         return dh.to(dh_out.dtype).reshape(ctx.shape), None, dgamma, dw_gate_up, dw_down, None
 
 
-def _rmsnorm_backward(ops, d_pre, w, h, rstd, gamma, dh_residual):
+def _rmsnorm_backward(ops, d_pre, w, h, rstd, gamma, dh_residual, rowdot):
     """Gradients through `h + g(rstd * (h @ (w * gamma).T))` given d_pre, the gradient of the
-    GEMM's output, and dh_residual, the gradient reaching h through the residual stream:
-    (dh, dgamma, dw).  The dgrad's epilogue (`rmsnorm_bwd_residual`) adds the residual gradient,
-    produces the norm's statistics and stores the normalized input for the weight gradient, so
-    only the row-statistics term is left for one elementwise pass."""
-    d = h.shape[-1]
-    partial_dh, x, rowdot, dgamma = ops["rmsnorm_bwd_residual"](d_pre, w.t(), h, rstd, gamma, dh_residual)
+    GEMM's output pre, dh_residual, the gradient reaching h through the residual stream, and
+    rowdot = sum(d_pre * pre) per row (the norm's row statistic, taken where d_pre was made):
+    (dh, dgamma, dw).  The dgrad's epilogue (`rmsnorm_bwd_rowdot`) makes the whole dh, the
+    residual gradient included, and stores the normalized input for the weight gradient."""
+    dh, x, dgamma = ops["rmsnorm_bwd_rowdot"](d_pre, w.t(), h, rstd, gamma, dh_residual, rowdot, 1.0 / h.shape[-1])
     dw = d_pre.t() @ x
-    # the norm's row-statistics term (its per-row coefficient rounded to h's dtype; the sum in fp32)
-    dh = partial_dh.addcmul_(h, (rstd * rstd * rowdot / d)[:, None].to(h.dtype), value=-1.0)
     return dh, dgamma.to(gamma.dtype), dw
 
 
@@ -227,13 +226,16 @@ def _rope_op(rotary_cols: int):
     return op
 
 
-def qkv_gradient(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> torch.Tensor:
-    """The gradient of the QKV GEMM's output, (tokens, (q + k + v heads) * head_dim) in dq's dtype,
-    from attention's dq, dk, dv ((batch, heads, seq, head_dim)): q and k rotated back (RoPE's
-    backward, each interleaved pair (2i, 2i + 1) turned by minus its angle at (position, i)) and
-    all three laid out as the GEMM wrote them.  One pass over the gradients on the GPU, where
-    `_qkv_gradient_pass` compiles it (autograd would concatenate them first, then rotate)."""
+def qkv_gradient(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_pre, rowdot): d_pre, the gradient of the QKV GEMM's output, (tokens, (q + k + v heads) *
+    head_dim) in dq's dtype, from attention's dq, dk, dv ((batch, heads, seq, head_dim)): q and k
+    rotated back (RoPE's backward, each interleaved pair (2i, 2i + 1) turned by minus its angle at
+    (position, i)) and all three laid out as the GEMM wrote them; rowdot, (tokens,) fp32, the sum of
+    d_pre * pre over each token's row, pre being the GEMM's output before RoPE, which is the sum of
+    dq * q + dk * k + dv * v over the attention inputs q, k, v (a rotation keeps dot products).
+    One pass over the gradients on the GPU, where `_qkv_gradient_pass` compiles it (autograd would
+    concatenate them first, then rotate)."""
     batch, _, seq, head_dim = dq.shape
     c, s = cos[:seq, None, :].float(), sin[:seq, None, :].float()  # (seq, 1, head_dim / 2)
 
@@ -246,7 +248,8 @@ def qkv_gradient(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torc
         turned = torch.stack([x0 * c + x1 * s, x1 * c - x0 * s], dim=-1)
         return turned.reshape(batch * seq, -1).to(t.dtype)
 
-    return torch.cat([unrotate(dq), unrotate(dk), as_rows(dv)], dim=-1)
+    rowdot = sum((g.float() * t.float()).sum(dim=(1, 3)) for g, t in ((dq, q), (dk, k), (dv, v)))
+    return torch.cat([unrotate(dq), unrotate(dk), as_rows(dv)], dim=-1), rowdot.reshape(batch * seq)
 
 
 _COMPILED_QKV_GRADIENT = None
@@ -263,6 +266,13 @@ def _qkv_gradient_pass(dq: torch.Tensor):
     return _COMPILED_QKV_GRADIENT
 
 
+def _qkv_heads(qkv: torch.Tensor, batch: int, seq: int, heads) -> tuple[torch.Tensor, ...]:
+    """q, k, v as (batch, heads, seq, head_dim) views of the QKV GEMM's (tokens, ...) output."""
+    n_heads, n_kv_heads, head_dim = heads
+    parts = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    return tuple(t.view(batch, seq, -1, head_dim).transpose(1, 2) for t in parts)
+
+
 class _NormQKVRope(torch.autograd.Function):
     """q, k, v = heads of rope(rstd * (h @ (w_qkv * gamma).T)), as (batch, heads, seq, head_dim)
     views of the one buffer the GEMM wrote, and h itself passed through as the residual stream,
@@ -277,18 +287,18 @@ class _NormQKVRope(torch.autograd.Function):
         h2 = h.reshape(-1, h.shape[-1])
         rstd = _rstd(h2, sumsq, eps)
         qkv = _rope_op((n_heads + n_kv_heads) * head_dim)(*_fold_gamma(h2, w_qkv, gamma), rstd, cos, sin)
-        ctx.save_for_backward(h2, rstd, gamma, w_qkv, cos, sin)
-        ctx.shape = h.shape
-        q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
-        q, k, v = (t.view(batch, seq, -1, head_dim).transpose(1, 2) for t in (q, k, v))
-        return q, k, v, h.view(h.shape)
+        # qkv costs no memory: attention saves q, k and v, views of it, for its own backward
+        ctx.save_for_backward(h2, rstd, gamma, w_qkv, cos, sin, qkv)
+        ctx.shape, ctx.heads = h.shape, heads
+        return (*_qkv_heads(qkv, batch, seq, heads), h.view(h.shape))
 
     @staticmethod
     def backward(ctx, dq, dk, dv, dresidual):
-        h, rstd, gamma, w_qkv, cos, sin = ctx.saved_tensors
-        d_pre = _qkv_gradient_pass(dq)(dq, dk, dv, cos, sin).to(h.dtype)
+        h, rstd, gamma, w_qkv, cos, sin, qkv = ctx.saved_tensors
+        q, k, v = _qkv_heads(qkv, ctx.shape[0], ctx.shape[1], ctx.heads)
+        d_pre, rowdot = _qkv_gradient_pass(dq)(dq, dk, dv, q, k, v, cos, sin)
         dresidual = dresidual.reshape(h.shape).to(h.dtype).contiguous()
-        dh, dgamma, dw = _rmsnorm_backward(_OPS, d_pre, w_qkv, h, rstd, gamma, dresidual)
+        dh, dgamma, dw = _rmsnorm_backward(_OPS, d_pre.to(h.dtype), w_qkv, h, rstd, gamma, dresidual, rowdot)
         return dh.to(dq.dtype).reshape(ctx.shape), None, dgamma, dw, None, None, None, None
 
 

@@ -37,13 +37,18 @@ def swiglu_bwd(acc, preact: cc.Tile["2N"]):
 
 @cc.epilogue
 def swiglu_bwd_recompute(acc, preact: cc.Tile["2N"]):
-    """As swiglu_bwd, and also recompute h = silu(gate) * up (N wide) for the down-projection wgrad."""
+    """As swiglu_bwd, and also recompute h = silu(gate) * up (N wide) for the down-projection wgrad.
+
+    rowdot = sum(D * preact) per row: for a pre-activation z = y @ W.T of a normalized input y,
+    the dot sum(dy * y) that the norm's backward needs (sum(dz * z) = sum(dy * y) with dy = dz @ W),
+    taken here, where the whole row passes anyway, so the dgrad after it can finish the norm's
+    gradient in its epilogue (`rmsnorm_bwd_rowdot`)."""
     gate, up = cc.pairs(preact)
     sig = cc.sigmoid(gate)
     silu_gate = gate * sig
     dgate = acc * up * sig * (1.0 + gate * (1.0 - sig))
     dup = acc * silu_gate
-    return {"D": cc.interleave(dgate, dup), "h": silu_gate * up}
+    return {"D": cc.interleave(dgate, dup), "h": silu_gate * up, "rowdot": cc.row_sum(dgate * gate + dup * up)}
 
 
 @cc.epilogue

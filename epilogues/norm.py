@@ -66,6 +66,24 @@ def rmsnorm_bwd_residual(acc, x: cc.Tile, rstd: cc.RowVec, gamma: cc.ColVec, dre
 
 
 @cc.epilogue
+def rmsnorm_bwd_rowdot(acc, x: cc.Tile, rstd: cc.RowVec, gamma: cc.ColVec, dresidual: cc.Tile,
+                       rowdot: cc.RowVec, inv_n: cc.Scalar):
+    """rmsnorm_bwd_residual with the row dot given, so D is the whole gradient of x.
+
+    rowdot = sum(dx_hat * x_hat) per row, taken before this GEMM (e.g. by swiglu_bwd_recompute,
+    as sum(dz * z) over the next GEMM's output); inv_n = 1 / N.
+    D = (dx_hat - x_hat * rowdot * inv_n) * rstd + dresidual; x_norm and dgamma as in
+    rmsnorm_bwd_residual.  No pass after the GEMM.
+    """
+    x_hat = x * rstd
+    return {
+        "D": (acc * gamma - x_hat * (rowdot * inv_n)) * rstd + dresidual,
+        "x_norm": x_hat * gamma,
+        "dgamma": cc.col_sum(acc * x_hat),
+    }
+
+
+@cc.epilogue
 def qk_rmsnorm(acc, gamma: cc.ColVec, *, head_dim=128, eps=1e-6):
     """Per-head RMSNorm of a q or k projection (QK-norm): a per-row reduction over each head."""
     ms = cc.row_sumsq(acc, segment=head_dim) / head_dim

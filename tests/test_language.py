@@ -492,7 +492,7 @@ def test_library_programs():
     programs = library.programs()
     assert {"gemm", "bias_gelu", "alpha_beta", "cross_entropy_stats", "cross_entropy_stats_save", "cross_entropy_bwd", "swiglu", "swiglu_save", "swiglu_bwd",
             "swiglu_bwd_recompute", "residual_sumsq", "rms_scale", "rms_scale_gamma", "rmsnorm_bwd", "rmsnorm_bwd_residual",
-            "qk_rmsnorm", "rope_qkv"} <= set(programs)
+            "rmsnorm_bwd_rowdot", "qk_rmsnorm", "rope_qkv"} <= set(programs)
     assert all(isinstance(p, Program) and p.name == name for name, p in programs.items())
     assert library.get("swiglu") is programs["swiglu"]
     assert out(programs["swiglu"]).width == HALF and out(programs["swiglu_bwd"]).width == TWO

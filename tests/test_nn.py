@@ -268,7 +268,12 @@ def test_qkv_gradient_rotates_q_and_k_back_and_lays_heads_out_as_the_gemm_wrote_
     turned = turned.reshape(batch, seq, -1, hd).transpose(1, 2)  # as attention hands gradients back
     dq, dk = turned[:, :nq], turned[:, nq:nq + nkv]
     dv = y.view(batch, seq, -1, hd).transpose(1, 2)[:, nq + nkv:]
-    torch.testing.assert_close(qkv_gradient(dq, dk, dv, angles.cos(), angles.sin()), y.reshape(batch * seq, -1))
+    q, k, v = (torch.randn_like(t) for t in (dq, dk, dv))  # the attention inputs (RoPE applied)
+    d_pre, rowdot = qkv_gradient(dq, dk, dv, q, k, v, angles.cos(), angles.sin())
+    torch.testing.assert_close(d_pre, y.reshape(batch * seq, -1))
+    # the norm's row statistic: d_pre . pre over each token's row, pre = q, k turned back (as d_pre)
+    pre, _ = qkv_gradient(q, k, v, q, k, v, angles.cos(), angles.sin())
+    torch.testing.assert_close(rowdot, (d_pre * pre).sum(-1).float())
 
 
 def test_lean_head_backward_in_vocabulary_chunks_matches_autograd(gen, monkeypatch):
