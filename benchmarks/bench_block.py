@@ -28,6 +28,7 @@ coda-cute contender is under it, and its peak memory over the best torch.compile
 The JSON: {"meta": {date, gpu, torch, commit, command}, "rows": [...]}, a row per (case, d):
     {"d", "case", "what", "tokens", "floor_runs" (what the floor runs), LM only: "vocab", "lean_kwargs",
      <contender>: {"ms", "spread", "gpu_ms", "gemm_ms", "attention_ms", "finish_ms", "other_ms", "peak_gib",
+                   "peak_live": [[GiB, where], ...] (allocated in the step, live at its peak; `peak_live`),
                    "other_kernels": [[name, ms], ...], "finish_kernels": [[name, ms], ...],
                    checked ones: "rel_err": [output, input gradient]},
      "bar": {"best_compile": {metric: contender}, "wall_bar_ms", "gpu_bar_ms",
@@ -492,6 +493,46 @@ def peak_gib(contender: Contender):
     return peak / 2 ** 30
 
 
+def peak_live(contender: Contender, top: int = 10) -> list[list]:
+    """What one step holds at its peak, allocated during the step: [[GiB, where], ...], the largest
+    sites first, where = the innermost frame in coda_cute/nn.py, this file or torch.compile's
+    generated code (else the innermost Python frame), as `file:line function`.  From the caching
+    allocator's trace (torch.cuda.memory._record_memory_history), replayed to the peak."""
+    contender.clear()
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        out = contender()
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    del out
+    live, total, peak, at_peak = {}, 0, 0, {}
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+        if total > peak:
+            peak, at_peak = total, dict(live)
+    sites: dict[str, int] = {}
+    for event in at_peak.values():
+        sites[_site(event.get("frames") or [])] = sites.get(_site(event.get("frames") or []), 0) + event["size"]
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1])
+    return [[size / 2 ** 30, where] for where, size in ranked[:top]]
+
+
+def _site(frames) -> str:
+    def label(f):
+        return f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}"
+    for f in frames:
+        if f["filename"].endswith(("coda_cute/nn.py", "bench_block.py")) or "torchinductor" in f["filename"]:
+            return label(f)
+    return label(frames[0]) if frames else "?"
+
+
 def profile_kernels(contender: Contender) -> list[tuple[str, float]]:
     """The GPU work of one step, (name, ms) per kernel (and memset / memcpy) in start order."""
     from torch.autograd import DeviceType
@@ -538,9 +579,10 @@ def measure_case(b: Bench, name: str, d: int) -> dict:
     for key, contender in case.contenders.items():
         if b.smoke:
             row[key].update({k: None for k in ("gpu_ms", "gemm_ms", "attention_ms", "finish_ms", "other_ms")},
-                            peak_gib=None, other_kernels=[], finish_kernels=[])
+                            peak_gib=None, peak_live=[], other_kernels=[], finish_kernels=[])
         else:
             row[key]["peak_gib"] = peak_gib(contender)
+            row[key]["peak_live"] = peak_live(contender)
             kernels = profile_kernels(contender)
             row[key].update(summarize(kernels))
             if b.args.profile:
@@ -615,6 +657,9 @@ def print_row(row: dict):
                 summed[name] = summed.get(name, 0.0) + ms
             print(f"  {key}: non-GEMM kernels, ms: " + "; ".join(
                 f"{ms:.3f} {_display(name, 80)}" for name, ms in sorted(summed.items(), key=lambda kv: -kv[1])))
+    for key, v in _contenders(row):
+        if v.get("peak_live") and (key.startswith(CODA) or key.startswith("torch.compile")):
+            print(f"  {key}: live at the peak, GiB: " + "; ".join(f"{gib:.3f} {where}" for gib, where in v["peak_live"]))
     _print_bar(row)
 
 
