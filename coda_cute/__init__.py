@@ -14,6 +14,8 @@ the generator (``config`` to ``cache``: a program becomes a compiled kernel), th
                  that ``import coda_cute`` loads;
 - ``library``    the ready programs in ``epilogues/``, and where the shipped folders are;
 - ``config``     what a kernel is specialized for (arch, GPU, dtypes, majors, tile, cluster);
+- ``signature``  the kernel's host arguments in order, with dtypes and symbolic shapes (read
+                 by the lowering, compile's fake arguments, the call plan and the custom ops);
 - ``spelling``   CuTe-DSL spellings the lowering and the backends share (dtypes, reduction folds);
 - ``backends``, ``backends.sm90``, ``backends.registry``
                  what a GPU generation decides (the interface), Hopper's (fragment scheme,

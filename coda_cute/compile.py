@@ -27,10 +27,11 @@ from pathlib import Path
 
 from .config import KernelConfig
 from .errors import UnsupportedError
-from .lower import lower, operand_dtype
+from .lower import lower
 from .primitives import OPERAND_KINDS
 from .program import Program
 from .render import render
+from .signature import host_arguments
 from .spelling import CUTE_DTYPES, DTYPE_BYTES
 
 
@@ -103,40 +104,37 @@ def fake_arguments(program: Program, config: KernelConfig) -> list:
 
     m, n, k = cute.sym_int(), cute.sym_int(divisibility=8), cute.sym_int(divisibility=8)
     cols = {Fraction(1, 2): cute.sym_int(divisibility=8), Fraction(1): n, Fraction(2): cute.sym_int(divisibility=8)}
-    args = [matrix(config.dtype, m, k, config.majors[0] == "k"), matrix(config.dtype, n, k, config.majors[1] == "k")]
-    for out in program.tile_outputs:
-        out_dtype = config.dtype if out.dtype in (None, "in") else out.dtype
-        args.append(matrix(out_dtype, m, cols[out.node.width]))
-    for out in program.reductions:
-        length = m if out.axis == "row" else cols[out.node.width]
-        if out.reduce == "logsumexp":
-            tiles = cute.sym_int()
-            args.append(make_fake_tensor(cutlass.Float32, (2, tiles, length),
-                                         (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4))
-        else:
-            args.append(matrix("f32", cute.sym_int(), length, align=4))
-        args.append(make_fake_tensor(cutlass.Float32, (length,), (1,), assumed_align=4))  # finished values
     periods = dict(config.table_periods)
 
-    def extent(dim: str, op):
-        """One dimension of an operand (``OperandKind.dims``): M, its columns, a period baked in, or any."""
-        if dim == "M":
-            return m
-        if dim == "W":
-            return cols[op.width]
-        return periods[op.name] if dim == "P" and op.name in periods else cute.sym_int()
+    def extent(dim, arg):
+        """One symbol per extent (``signature``): M, N, K, a width's columns, a period baked in, else any."""
+        if isinstance(dim, Fraction):
+            return cols[dim]
+        if dim in ("M", "N", "K"):
+            return {"M": m, "N": n, "K": k}[dim]
+        if isinstance(dim, int):
+            return dim
+        return periods[arg.of] if dim == "P" and arg.of in periods else cute.sym_int()  # TILES, R, P
 
-    for op in program.operands:
-        kind = OPERAND_KINDS[op.kind]
-        if not kind.is_tensor:
+    args = []
+    for arg in host_arguments(program, config):
+        shape = [extent(dim, arg) for dim in arg.dims]
+        if arg.role == "scalar":
             args.append(cutlass.Float32(1.0))
-            continue
-        od = operand_dtype(config, op.name)
-        shape = [extent(dim, op) for dim in kind.dims]
-        if len(shape) == 1:
-            args.append(make_fake_tensor(dtype(od), tuple(shape), (1,), assumed_align=DTYPE_BYTES[od]))
+        elif arg.role in ("a", "b"):
+            args.append(matrix(arg.dtype, *shape, config.majors[arg.role == "b"] == "k"))
+        elif arg.role == "output":
+            args.append(matrix(arg.dtype, *shape))
+        elif arg.role == "partials" and len(shape) == 3:  # a log-sum-exp's (2, tiles, length)
+            args.append(make_fake_tensor(cutlass.Float32, tuple(shape), (cute.sym_int64(), cute.sym_int64(), 1),
+                                         assumed_align=4))
+        elif arg.role == "partials":
+            args.append(matrix("f32", *shape, align=4))
+        elif len(shape) == 1:  # finished values, row and column vectors
+            args.append(make_fake_tensor(dtype(arg.dtype), tuple(shape), (1,), assumed_align=DTYPE_BYTES[arg.dtype]))
         else:  # TMA reads a ring's operand: 16-byte aligned rows and base
-            args.append(matrix(od, *shape, align=16 if kind.staging == "ring" else DTYPE_BYTES[od]))
+            ring = OPERAND_KINDS[program.operand(arg.of).kind].staging == "ring"
+            args.append(matrix(arg.dtype, *shape, align=16 if ring else DTYPE_BYTES[arg.dtype]))
     return args
 
 

@@ -32,8 +32,9 @@ from fractions import Fraction
 from .backends.registry import backend
 from .config import SMEM_BYTES, KernelConfig
 from .errors import UnsupportedError
-from .primitives import ELEMENTWISE, OPERAND_KINDS
+from .primitives import ELEMENTWISE
 from .program import Node, Program, reads_as_index, width_str
+from .signature import host_arguments, operand_dtype, storage
 from .spelling import CUTE_DTYPES, DTYPE_BYTES, IDENTITY, combine, reduce_term
 
 HALF, ONE, TWO = Fraction(1, 2), Fraction(1), Fraction(2)
@@ -109,10 +110,6 @@ def _table_read(table: str, col: str) -> str:
     then the column: the row's address is computed once per row and each column adds a 32-bit
     offset (indexing both at once made 64-bit address math per element)."""
     return f"cutlass.Float32({table}[(row % {table}.shape[0], None)][({col}) % {table}.shape[1]])"
-
-
-def operand_dtype(config: KernelConfig, name: str) -> str:
-    return dict(config.operand_dtypes).get(name, config.dtype)
 
 
 def lower(program: Program, config: KernelConfig) -> Context:
@@ -193,10 +190,6 @@ def _subgraph(root: Node) -> list[Node]:
     return _walk([root])
 
 
-def _storage(dtype: str | None, config: KernelConfig) -> str:
-    return config.dtype if dtype in (None, "in") else dtype
-
-
 def _class_name(name: str) -> str:
     return "".join(part[:1].upper() + part[1:] for part in name.split("_") if part) + "Kernel"
 
@@ -204,8 +197,13 @@ def _class_name(name: str) -> str:
 # ----------------------------------------------------------------------------- tensors and smem
 def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> None:
     tile_m, tile_n = config.tile
+    read = {node.attrs[0] for node in program.nodes if node.op == "load"}
+    for arg in host_arguments(program, config)[2:]:  # after a and b
+        unread = "" if arg.role not in ("operand", "scalar") or arg.of in read else " (not read by the program)"
+        annotation = "cutlass.Float32" if arg.role == "scalar" else "cute.Tensor"
+        ctx.host_params.append(dict(name=arg.name, annotation=annotation, doc=arg.doc() + unread))
     for out in program.tile_outputs:
-        dtype = _storage(out.dtype, config)
+        dtype = storage(out.dtype, config)
         cols = int(ctx.epi_n * out.node.width)
         ctx.tile_outputs.append(dict(
             label=f"{out.name} ({width_str(out.node.width)} wide, {dtype})", width=out.node.width,
@@ -214,15 +212,11 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
             fast=_uses_fragments(out.node.width, dtype), xfer=f"r2s_out_{out.name}", frag=f"frag_out_{out.name}",
             stages="EPI_STAGES",
         ))
-        ctx.host_params.append(dict(name=f"out_{out.name}", annotation="cute.Tensor",
-                                    doc=f"out_{out.name} (M, {width_str(out.node.width)}) {dtype}"))
     for out in program.reductions:
         lead = "2, " if out.reduce == "logsumexp" else ""
         shape = f"({lead}ceil(N / TILE_N), M)" if out.axis == "row" else f"({lead}ceil(M / TILE_M), N)"
         part, final = f"part_{out.name}", f"out_{out.name}"
         result = "(M,)" if out.axis == "row" else "(N,)"
-        ctx.host_params.append(dict(name=part, annotation="cute.Tensor", doc=f"{part} {shape} f32 partials"))
-        ctx.host_params.append(dict(name=final, annotation="cute.Tensor", doc=f"{final} {result} f32"))
         ctx.kernel_params.append(part)
         ctx.kernel_param_decls.append(f"{part}: cute.Tensor")
         # the finishing kernel's helper and its fold over the tiles: sums of squares add as sums do
@@ -235,20 +229,16 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
                                  length="mA.shape[0]" if out.axis == "row" else "mB.shape[0]", result=result))
         if out.axis == "col":
             ctx.col_reductions.append(out.name)
-    read = {node.attrs[0] for node in program.nodes if node.op == "load"}
     for op in program.operands:
         name = f"in_{op.name}"
         unread = "" if op.name in read else " (not read by the program)"  # taken, never loaded
         staging = _staging(op, config)
         if staging == "argument":
-            ctx.host_params.append(dict(name=name, annotation="cutlass.Float32", doc=f"{name} float{unread}"))
             if not unread:
                 ctx.kernel_params.append(name)
                 ctx.kernel_param_decls.append(f"{name}: cutlass.Float32")
             continue
         dtype = operand_dtype(config, op.name)
-        shape = OPERAND_KINDS[op.kind].shape(op.width)
-        ctx.host_params.append(dict(name=name, annotation="cute.Tensor", doc=f"{name} {shape} {dtype}{unread}"))
         if unread:
             continue
         if staging == "ring":
@@ -416,7 +406,7 @@ class _Body:
         if source is not None and count > 1 and lanes != source:
             # a rounding cast: lanes in pairs through one packed conversion
             self.ctx.helpers.add("round_pair")
-            target = CUTE_DTYPES[_storage(node.attrs[0], self.config)]
+            target = CUTE_DTYPES[storage(node.attrs[0], self.config)]
             for k in range(0, count, 2):
                 self.lines.append(f"{names[k]}, {names[k + 1]} = round_pair({source[k]}, {source[k + 1]}, cutlass.{target})")
         else:
@@ -459,7 +449,7 @@ class _Body:
         if op == "load":
             return self.load(node)
         if op == "cast":
-            target = CUTE_DTYPES[_storage(node.attrs[0], self.config)]
+            target = CUTE_DTYPES[storage(node.attrs[0], self.config)]
             return [x if target == "Float32" else f"cutlass.Float32(cutlass.{target}({x}))" for x in args[0]]
         if op == "pair":
             x, k = args[0], node.attrs[0]
@@ -578,15 +568,15 @@ class _Body:
     # -- outputs
     def store(self, out) -> None:
         lanes = _broadcast(self.lanes[id(out.node)], NUM_LANES[out.node.width])
-        storage = _storage(out.dtype, self.config)
-        dtype = CUTE_DTYPES[storage]
+        stored = storage(out.dtype, self.config)
+        dtype = CUTE_DTYPES[stored]
         view = f"view_out_{out.name}"
         self.lines.append(f"# store {out.name}")
-        if _uses_words(out.node.width, storage):  # one 64-bit word
+        if _uses_words(out.node.width, stored):  # one 64-bit word
             self.ctx.helpers.add("pack_quad")
             self.lines.append(f"{view}[pair0] = pack_quad({', '.join(lanes)}, cutlass.{dtype})")
             return
-        fast = _uses_fragments(out.node.width, storage)
+        fast = _uses_fragments(out.node.width, stored)
         targets = {HALF: [f"{view}[pair0]"],
                    ONE: [f"frag_out_{out.name}[slot{e}]" if fast else f"{view}[pair{e}]" for e in (0, 1)],
                    TWO: [f"{view}__{q}[pair{e}]" for e in (0, 1) for q in (0, 1)]}[out.node.width]

@@ -21,14 +21,18 @@ from __future__ import annotations
 
 import inspect
 import threading
+from fractions import Fraction
 
 import torch
 
+from .arguments import TORCH_DTYPES, short_dtype
+from .config import KernelConfig
 from .derive import Derivative, derive
 from .errors import ArgumentError, ProgramError
 from .program import Program, index_operands
 from .reference import evaluate_accumulator
 from .runtime import Kernel
+from .signature import host_arguments
 
 _OPS: dict[str, object] = {}
 _LOCK = threading.Lock()
@@ -76,15 +80,17 @@ def _register(program: Program, name: str, overwrite: dict):
         return tuple(result[o.name] for o in outputs)
 
     def fake(a, b, *operands):
+        """The outputs as the kernel's host function takes them (``signature``), leading batch dims kept."""
         batch, n = tuple(a.shape[:-1]), b.shape[0]
+        dtype = short_dtype(a.dtype) if a.dtype in TORCH_DTYPES.values() else "f32"
+        arguments = {arg.of: arg for arg in host_arguments(program, KernelConfig(dtype=dtype))
+                     if arg.role in ("output", "result")}
         made = []
         for o in outputs:
-            cols = n * o.node.width.numerator // o.node.width.denominator  # n may be symbolic
-            if o.is_reduction:
-                made.append(a.new_empty(batch if o.axis == "row" else (cols,), dtype=torch.float32))
-            else:
-                dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}.get(o.dtype, a.dtype)
-                made.append(a.new_empty((*batch, cols), dtype=dtype))
+            arg = arguments[o.name]
+            shape = [n * d.numerator // d.denominator if isinstance(d, Fraction) else d for d in arg.dims]  # n: symbolic
+            shape = [*batch, *shape[1:]] if shape[0] == "M" else shape
+            made.append(a.new_empty(tuple(shape), dtype=TORCH_DTYPES[arg.dtype]))
         return None if not made else made[0] if len(made) == 1 else tuple(made)
 
     # "__" cannot be in a program's names, so A and B never collide with an operand's

@@ -34,13 +34,14 @@ import torch
 
 from . import reference
 from .arguments import Problem, _aligned, _row_stride_ok, bind, check_kernel_arguments, check_outputs
-from .arguments import short_dtype
+from .arguments import TORCH_DTYPES, short_dtype
 from .backends.registry import backend
 from .config import DEFAULT_SWIZZLE, GPUS, KernelConfig
 from .errors import ArgumentError, ProgramError, UnsupportedError
 from .lower import fits_shared_memory, lower, tables_in_segment_reductions
 from .primitives import check_scalar
 from .program import Program
+from .signature import host_arguments
 
 if TYPE_CHECKING:
     from .cache import CacheEntry
@@ -217,13 +218,12 @@ class CallPlan:
 
     @classmethod
     def build(cls, program: Program, problem: Problem, config: KernelConfig, function, key) -> "CallPlan":
-        tm, tn = config.tile
-        outputs = [(o.name, problem.cols(o.node.width), problem.storage_dtype(o.dtype)) for o in program.tile_outputs]
-        partials = []
-        for o in program.reductions:
-            tiles = -(-problem.m // tm) if o.axis == "col" else -(-problem.n // tn)
-            length = problem.m if o.axis == "row" else problem.cols(o.node.width)
-            partials.append((o.name, (tiles, length) if o.reduce != "logsumexp" else (2, tiles, length)))
+        """The outputs and partials the kernel's host function takes (``signature``), sized for ``problem``."""
+        arguments = host_arguments(program, config)
+        m, n, k = problem.m, problem.n, problem.k
+        outputs = [(arg.of, arg.shape(m, n, k, config.tile)[1], TORCH_DTYPES[arg.dtype])
+                   for arg in arguments if arg.role == "output"]
+        partials = [(arg.of, arg.shape(m, n, k, config.tile)) for arg in arguments if arg.role == "partials"]
         reshape = {op.name: tuple(problem.operands[op.name].shape) for op in program.operands if op.kind != "scalar"}
         return cls(program, config, function, key, problem.m, problem.k, problem.batch_shape, problem.a.device,
                    outputs, partials, reshape)
