@@ -301,3 +301,42 @@ def test_an_op_may_write_an_output_over_an_operand(gen):
     want = a @ b.t() + c
     assert op(a, b, c) is None
     torch.testing.assert_close(c, want)
+
+
+def _saved_by_our_functions(out: torch.Tensor, exclude) -> dict:
+    """{what: bytes} of the storages the modules' autograd functions keep for backward (walking
+    out's graph), leaving out those of ``exclude`` (inputs, parameters, buffers)."""
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    found, stack, seen = {}, [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__.lstrip("_").split("Backward")[0] in ("LlamaMLPFunction", "NormQKVRope", "LinearResidual"):
+            for t in node.saved_tensors:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in excluded:
+                    found[(type(node).__name__, tuple(t.shape), t.dtype)] = storage.nbytes()
+        stack += [nxt for nxt, _ in node.next_functions]
+    return found
+
+
+def test_modules_keep_for_backward_what_the_readme_says(gen):
+    """LlamaMLP: its input h, its pre-activation z (T x 2 ffn) and rstd; LlamaAttention: rstd,
+    the QKV GEMM's output and the attention output feeding the O projection (README, "Training
+    with it"); besides, the block's input h and the weights."""
+    d, ffn, batch, seq = 32, 48, 2, 8
+    block = LlamaBlock(d, 4, ffn, n_kv_heads=2, dtype=torch.float32, max_positions=16)
+    h = torch.randn(batch, seq, d, generator=gen, requires_grad=True)
+    out, _ = block(h)
+    saved = _saved_by_our_functions(out, [h, *block.parameters(), *block.buffers()])
+    tokens, qkv, f32 = batch * seq, (4 + 2 * 2) * (d // 4), torch.float32
+    assert saved == {
+        ("_LlamaMLPFunctionBackward", (tokens, d), f32): tokens * d * 4,  # h after attention
+        ("_LlamaMLPFunctionBackward", (tokens, 2 * ffn), f32): tokens * 2 * ffn * 4,
+        ("_LlamaMLPFunctionBackward", (tokens,), f32): tokens * 4,
+        ("_NormQKVRopeBackward", (tokens, qkv), f32): tokens * qkv * 4,
+        ("_NormQKVRopeBackward", (tokens,), f32): tokens * 4,
+        ("_LinearResidualBackward", (tokens, d), f32): tokens * d * 4,  # attention's output
+    }, saved
