@@ -14,6 +14,8 @@ Disk layout (``cache_dir()``):
     <root>/locks/<key>.lock                held while one process compiles that key
     <root>/defaults/<key>.json             the configuration calls run where the kernel asked for
                                            by the runtime's rules spills (``get_default_kernel``)
+    <root>/tuned/<key>-<M>x<N>x<K>.json    the fastest configuration at that shape, where calls
+                                           asked for it (``Kernel(..., autotune=True)``)
 
 Native code is loaded from here, so nothing is loaded that someone else could have written:
 the root, its parents, and every folder and file of an entry must belong to you (or to root,
@@ -27,10 +29,11 @@ vanished folder costs a warning, never a call.
 
 An entry is written into a temporary folder and renamed into place, so readers see a whole
 entry or none; whatever else sits at an entry's path (an interrupted write or ``clear``, a
-stray file) is removed and rebuilt by the process holding that key's lock.  A default record
-is one file, written the same way and checked the same way before it is read; it can only
-name one of its candidates (``default_candidates(config)``), and every process that decides
-one key writes the same record, so no lock is needed.
+stray file) is removed and rebuilt by the process holding that key's lock.  A default or
+tuning record is one file, written the same way and checked the same way before it is read;
+it can only name one of its candidates (``default_candidates(config)``, ``tune_candidates``).
+Every process that decides a default writes the same record, so no lock is needed; two that
+tune one shape at once may pick different winners of a near tie, and the last one written stays.
 
 ``precompile`` fills the disk cache ahead of time from a pool of worker processes (the
 ``coda-cute precompile`` command), so later runs load kernels instead of compiling them.
@@ -446,12 +449,18 @@ def _lowers(program: Program, config: KernelConfig) -> bool:
 
 
 def _kept_default(key: str, config: KernelConfig) -> KernelConfig | None:
-    chosen = _DEFAULTS.get(key)
+    return _kept_choice(_DEFAULTS, "defaults", key, key, default_candidates(config))
+
+
+def _kept_choice(memory: dict, folder: str, record: str, key: str,
+                 candidates: list[KernelConfig]) -> KernelConfig | None:
+    """The candidate a decision ``record`` (in memory, else ``<root>/<folder>/<record>.json``) names."""
+    chosen = memory.get(record)
     if chosen is None:
         root, _ = _open_root()
-        chosen = _read_default(root / "defaults" / f"{key}.json", key, config) if root else None
+        chosen = _read_choice(root / folder / f"{record}.json", key, candidates) if root else None
         if chosen is not None:
-            _DEFAULTS[key] = chosen
+            memory[record] = chosen
     return chosen
 
 
@@ -459,31 +468,27 @@ def _choice(config: KernelConfig) -> dict:
     return {"tile": list(config.tile), "cluster": list(config.cluster), "schedule": config.schedule}
 
 
-def _read_default(path: Path, key: str, config: KernelConfig) -> KernelConfig | None:
-    """The candidate of ``config`` the record at ``path`` names, if it passes the trust checks and
-    is the record of ``key``, else None."""
+def _read_choice(path: Path, key: str, candidates: list[KernelConfig]) -> KernelConfig | None:
+    """The candidate the record at ``path`` names, if it passes the trust checks and is a record
+    of the kernel ``key``, else None."""
     try:
         if not os.path.lexists(path):
             return None
         why = _untrusted(path.parent, want_dir=True) or _untrusted(path, want_dir=False)
         if why:
-            _warn_once(f"coda-cute kernel cache: not reading default {path.stem[:12]}: {why}")
+            _warn_once(f"coda-cute kernel cache: not reading {path.parent.name} record {path.stem[:12]}: {why}")
             return None
         record = json.loads(path.read_text())
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     if not isinstance(record, dict) or record.get("key") != key:
         return None
-    return next((c for c in default_candidates(config) if _choice(c) == record.get("chosen")), None)
+    return next((c for c in candidates if _choice(c) == record.get("chosen")), None)
 
 
 def _write_default(program: Program, config: KernelConfig, key: str, chosen: KernelConfig,
                    tried: list[tuple[KernelConfig, CacheEntry]]) -> None:
-    """Record ``chosen`` for ``key`` where the root may be written; on failure warn, keep it in memory."""
-    root, writable = _open_root()
-    if root is None or not writable:
-        return
-    record = {
+    _write_choice("defaults", key, {
         "key": key,
         "fields": key_fields(program, config),
         "program": program.name,
@@ -491,13 +496,20 @@ def _write_default(program: Program, config: KernelConfig, key: str, chosen: Ker
         "chosen": _choice(chosen),
         "tried": [{"config": short_config(c), "stack_frame_bytes": e.stack_frame_bytes} for c, e in tried],
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    })
+
+
+def _write_choice(folder_name: str, record_name: str, record: dict) -> None:
+    """Write a decision record where the root may be written; on failure warn, keep it in memory."""
+    root, writable = _open_root()
+    if root is None or not writable:
+        return
     try:
-        folder = _private_subdir(root / "defaults")
-        path = folder / f"{key}.json"
+        folder = _private_subdir(root / folder_name)
+        path = folder / f"{record_name}.json"
         if path.is_dir() and not path.is_symlink():  # a stray folder in its place (a link is replaced)
             shutil.rmtree(path)
-        handle, staging = tempfile.mkstemp(prefix=f".{key[:8]}-", suffix=".json", dir=folder)  # private
+        handle, staging = tempfile.mkstemp(prefix=f".{record_name[:8]}-", suffix=".json", dir=folder)  # private
         try:
             with os.fdopen(handle, "w") as file:
                 file.write(json.dumps(record, indent=1))
@@ -506,8 +518,79 @@ def _write_default(program: Program, config: KernelConfig, key: str, chosen: Ker
             Path(staging).unlink(missing_ok=True)
             raise
     except OSError as exc:
-        _warn_once(f"coda-cute kernel cache: cannot write {root / 'defaults'} ({exc.strerror or exc}); "
-                   "default configurations stay in memory")
+        _warn_once(f"coda-cute kernel cache: cannot write {root / folder_name} ({exc.strerror or exc}); "
+                   f"{'default configurations' if folder_name == 'defaults' else 'tuning results'} stay in memory")
+
+
+# ----------------------------------------------------------------------------- autotune
+#: what ``autotune`` times besides the rules' choice, (tile, cluster, schedule): the shapes at
+#: which the library's ops measured fastest at one size or another (benchmarks/RESULTS.md)
+TUNE_CANDIDATES = (((128, 256), (1, 2), "cooperative"), ((128, 256), (2, 1), "cooperative"),
+                   ((256, 128), (2, 1), "cooperative"), ((128, 192), (1, 2), "pingpong"),
+                   ((128, 128), (1, 2), "pingpong"), ((128, 128), (2, 1), "cooperative"))
+#: seconds of timing per decision, all candidates together (each times at least once; their
+#: compiles come before, once, into the cache)
+TUNE_BUDGET_S = 2.0
+
+_TUNED: dict[str, KernelConfig] = {}  # record (cache key of the rules' choice and the shape) -> the winner
+
+
+def tune_candidates(config: KernelConfig) -> list[KernelConfig]:
+    """``config`` (the runtime's rules' choice), then TUNE_CANDIDATES with every other field of it."""
+    out = [config]
+    for tile, cluster, schedule in TUNE_CANDIDATES:
+        candidate = config.with_(tile=tile, cluster=cluster, schedule=schedule)
+        if candidate not in out:
+            out.append(candidate)
+    return out
+
+
+@dataclass
+class TunedKernel:
+    """What ``get_tuned_kernel`` found: the configuration calls run, its kernel, and the
+    candidates' times in ms (empty where the decision was kept from before)."""
+
+    config: KernelConfig
+    entry: CacheEntry
+    times: dict[KernelConfig, float]
+
+
+def get_tuned_kernel(program: Program, config: KernelConfig, shape: tuple[int, int, int],
+                     time_kernel: Callable[[KernelConfig, CacheEntry], float]) -> TunedKernel:
+    """The fastest kernel for problems of ``shape`` (M, N, K) among ``tune_candidates(config)``,
+    as ``time_kernel(candidate, its CacheEntry)`` (ms, on the caller's GPU and tensors) measures it.
+
+    Candidates the generator cannot build are skipped; those that spill are timed only if every
+    one does.  Timing stops after TUNE_BUDGET_S.  The winner is kept in memory and beside the
+    kernels (``<root>/tuned/<key>-<M>x<N>x<K>.json``, key: the rules' choice's ``cache_key``,
+    written and trusted like a default's record), so a later process starts with it."""
+    config = config.resolved(program)
+    key = cache_key(program, config)
+    record = f"{key}-{'x'.join(str(int(x)) for x in shape)}"
+    candidates = tune_candidates(config)
+    with _LOCK:
+        key_lock = _KEY_LOCKS.setdefault(f"tuned-{record}", threading.Lock())
+    with key_lock:
+        chosen = _kept_choice(_TUNED, "tuned", record, key, candidates)
+        if chosen is not None:
+            return TunedKernel(chosen, get_kernel(program, chosen), {})
+        built = [(c, get_kernel(program, c)) for c in candidates if c is config or _lowers(program, c)]
+        timed = [(c, e) for c, e in built if not e.stack_frame_bytes] or built
+        times, start = {}, time.perf_counter()
+        for candidate, entry in timed:
+            if times and time.perf_counter() - start > TUNE_BUDGET_S:
+                break
+            times[candidate] = float(time_kernel(candidate, entry))
+        chosen = min(times, key=times.get)
+        _TUNED[record] = chosen
+        _write_choice("tuned", record, {
+            "key": key, "shape": list(shape), "program": program.name, "asked": config.describe(),
+            "chosen": _choice(chosen),
+            "ms": {short_config(c): round(ms, 5) for c, ms in times.items()},
+            "spilling": [short_config(c) for c, e in built if e.stack_frame_bytes],
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        })
+    return TunedKernel(chosen, dict(built)[chosen], times)
 
 
 # ----------------------------------------------------------------------------- listing

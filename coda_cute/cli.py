@@ -10,6 +10,9 @@
     coda-cute cache ls | clear | path         the disk cache of compiled kernels
     coda-cute precompile PROGRAM... | --all [config...] [--jobs N]
                                               fill the disk cache ahead of time
+    coda-cute tune PROGRAM --shape MxNxK [--backward] [--dtype bf16]
+                                              on this machine's GPU: time the candidate tiles
+                                              at that shape and keep the fastest for later calls
 
 PROGRAM is a library name (``coda-cute list``), ``path/to/file.py:name`` or
 ``package.module:name`` (a program defined at the top level of that file or module);
@@ -30,7 +33,8 @@ Errors the user can fix (``coda_cute.errors.CodaError``) print as one line,
 ``coda-cute: error: <message>``, and exit with status 2.
 
 ``coda_cute.cache.precompile(programs, configs, jobs=...)`` is the Python API behind
-``coda-cute precompile``.
+``coda-cute precompile``; ``Kernel(program, autotune=True)`` the one behind ``coda-cute tune``
+(a call with ``autotune=True`` at that shape then starts with the winner).
 """
 
 from __future__ import annotations
@@ -391,6 +395,63 @@ def cmd_precompile(args) -> int:
 
 
 # ----------------------------------------------------------------------------- parser
+def parse_shape(text: str) -> tuple[int, int, int]:
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)", text or "")
+    if not match or 0 in (shape := tuple(int(x) for x in match.groups())):
+        raise UnsupportedError(f"--shape must be MxNxK with positive sizes (A is M x K, B is N x K), got {text!r}")
+    return shape
+
+
+def _random_call(program: Program, m: int, n: int, k: int, dtype) -> tuple:
+    """A, B and every operand of ``program`` at that shape, random (class indices where compared)."""
+    import torch
+
+    from .program import index_operands
+
+    indices, operands = index_operands(program), {}
+    for op in program.operands:
+        cols = int(n * op.width) if op.width is not None else None
+        if op.kind == "scalar":
+            operands[op.name] = 1.0
+        elif op.name in indices:
+            operands[op.name] = torch.randint(0, cols or n, (m if op.kind == "row" else cols,), dtype=torch.int32)
+        elif op.kind == "row":
+            operands[op.name] = torch.rand(m) + 0.5
+        elif op.kind == "col":
+            operands[op.name] = (torch.rand(cols) + 0.5).to(dtype)
+        elif op.kind == "tile":
+            operands[op.name] = torch.randn(m, cols).to(dtype)
+        else:
+            operands[op.name] = torch.randn(128, 128)
+    a, b = torch.randn(m, k).to(dtype) / k ** 0.25, torch.randn(n, k).to(dtype) / k ** 0.25
+    return a.cuda(), b.cuda(), {name: t.cuda() if isinstance(t, torch.Tensor) else t for name, t in operands.items()}
+
+
+def cmd_tune(args) -> int:
+    import torch
+
+    from .arguments import TORCH_DTYPES, bind
+    from .cache import get_tuned_kernel, short_config
+    from .runtime import Kernel, _candidate_timer
+
+    program, name = _program(args)
+    m, n, k = parse_shape(args.shape)
+    if not torch.cuda.is_available():
+        raise UnsupportedError("tune times kernels on this machine's GPU, and it has none (torch.cuda is not "
+                               "available); `coda-cute precompile` builds kernels without one")
+    a, b, operands = _random_call(program, m, n, k, TORCH_DTYPES[args.dtype])
+    problem = bind(program, a, b, operands)
+    config = Kernel(program, autotune=True).config_for(problem)
+    tuned = get_tuned_kernel(program, config, (m, n, k), _candidate_timer(program, problem))
+    if not tuned.times:
+        _out(f"{name} at {m}x{n}x{k}: decided before, runs {short_config(tuned.config)}")
+        return 0
+    _out(f"{name} at {m}x{n}x{k}, ms per call (median):")
+    for candidate, ms in sorted(tuned.times.items(), key=lambda item: item[1]):
+        _out(f"  {ms:9.4f}  {short_config(candidate)}{'  <- runs' if candidate == tuned.config else ''}")
+    return 0
+
+
 def _add_config_flags(parser: argparse.ArgumentParser, several: bool = False) -> None:
     """The flags ``render.emit_command`` prints; with ``several``, most may be repeated."""
     d = KernelConfig()
@@ -494,6 +555,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
                    help=f"worker processes (default: one per CPU, {os.cpu_count()} here)")
     p.set_defaults(run=cmd_precompile)
+
+    p = sub.add_parser("tune", help="time the candidate tiles of a program at one shape on this GPU, keep the "
+                                    "fastest", description="Compile the candidates (cache.tune_candidates), time "
+                                    "those that do not spill on random inputs of the shape, and record the fastest "
+                                    "beside the kernels: Kernel(program, autotune=True) at that shape runs it.")
+    p.add_argument("name", metavar="PROGRAM", help=PROGRAM_HELP)
+    p.add_argument("--backward", action="store_true", help="the program's derived backward")
+    p.add_argument("--shape", required=True, metavar="MxNxK", help="A is M x K, B is N x K")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "f16"), help="A and B (default bf16)")
+    p.set_defaults(run=cmd_tune)
     return parser
 
 

@@ -20,7 +20,9 @@ Tile, cluster and schedule left unset are chosen by rules measured on the librar
 (``default_tile``); where the rules' kernel spills registers, a GPU call runs the first fallback
 that does not (``cache.get_default_kernel``: ptxas' stack frame, read at compile time; the
 decision is cached beside the kernels).  Settings the caller fixed are built as given, with a
-SpillWarning where they spill.
+SpillWarning where they spill.  ``Kernel(program, autotune=True)`` times a few candidates on the
+first GPU call of each shape instead and runs the fastest (``cache.get_tuned_kernel``; the winner
+is cached beside the kernels, so a later process starts with it).
 """
 
 from __future__ import annotations
@@ -66,18 +68,30 @@ class Kernel:
     """``program`` compiled for a family of configurations, callable on torch tensors.
 
     ``strict`` (default True): CPU tensors are held to the GPU kernel's rules (see the module
-    docstring); False lets the reference run whatever it can, for prototyping."""
+    docstring); False lets the reference run whatever it can, for prototyping.
+
+    ``autotune`` (default False): the first GPU call of each (M, N, K) compiles the candidates of
+    ``cache.tune_candidates`` that the generator can build (seconds each, once: they go to the
+    disk cache), times those that do not spill on the call's own tensors (about
+    ``cache.TUNE_BUDGET_S`` seconds in all; outputs go to scratch tensors, so operands an op
+    writes over are not touched) and runs the fastest from then on, in this process and, through
+    the disk cache, in later ones.  It chooses tile, cluster and schedule, so it takes none of
+    them; CPU calls ignore it."""
 
     def __init__(self, program: Program, *, tile: tuple[int, int] | None = None,
                  cluster: tuple[int, int] | None = None, schedule: str | None = None, gpu: str | None = None,
                  ab_stages: int = 0, epi_stages: int = 0, in_stages: int = 0,
                  raster_along_m: bool = True, swizzle: int = DEFAULT_SWIZZLE, stage_tables: bool | None = None,
-                 strict: bool = True):
+                 strict: bool = True, autotune: bool = False):
         if not isinstance(program, Program):
             raise ProgramError(f"Kernel needs a coda_cute Program (@coda_cute.epilogue), got {type(program).__name__}")
-        if stage_tables not in (None, True, False) or type(strict) is not bool:
-            raise UnsupportedError(f"stage_tables must be None, True or False and strict True or False, got "
-                                   f"{stage_tables!r} and {strict!r}")
+        if stage_tables not in (None, True, False) or type(strict) is not bool or type(autotune) is not bool:
+            raise UnsupportedError(f"stage_tables must be None, True or False, strict and autotune True or False, "
+                                   f"got {stage_tables!r}, {strict!r} and {autotune!r}")
+        if autotune and (tile, cluster, schedule) != (None, None, None):
+            raise UnsupportedError("autotune=True chooses the tile, cluster and schedule by timing them: leave "
+                                   f"them unset (got tile={tile}, cluster={cluster}, schedule={schedule})")
+        self.autotune = autotune
         _check_settings(tile, cluster, schedule, gpu, ab_stages, epi_stages, in_stages, raster_along_m, swizzle)
         self.program, self.strict = program, strict
         self.tile, self.cluster, self.schedule, self.gpu = tile, cluster, schedule, gpu
@@ -157,16 +171,21 @@ class Kernel:
         if not problem.a.is_cuda:
             lower(self.program, config)  # everything the compile would refuse (UnsupportedError)
             return ReferencePlan(self.program, config, None, config.tile), problem
-        config, entry = self.kernel_for(config)
+        config, entry = self.kernel_for(config, problem)
         return CallPlan.build(self.program, problem, config, entry.function, entry.key), problem
 
-    def kernel_for(self, config: KernelConfig) -> tuple[KernelConfig, CacheEntry]:
+    def kernel_for(self, config: KernelConfig, problem: Problem | None = None) -> tuple[KernelConfig, CacheEntry]:
         """(the configuration calls run, its ``cache.CacheEntry``) for ``config`` from ``config_for``,
-        compiled for its arch (no GPU needed) or from the cache: where this Kernel fixes none of
-        tile, cluster and schedule, the rules' choice unless it spills (``cache.get_default_kernel``),
-        else exactly ``config``, with a SpillWarning where it spills."""
-        from .cache import get_default_kernel, get_kernel
+        compiled for its arch (no GPU needed) or from the cache: with ``autotune`` and the call's
+        ``problem`` on the GPU, the fastest candidate there (``cache.get_tuned_kernel``); where this
+        Kernel fixes none of tile, cluster and schedule, the rules' choice unless it spills
+        (``cache.get_default_kernel``); else exactly ``config``, with a SpillWarning where it spills."""
+        from .cache import get_default_kernel, get_kernel, get_tuned_kernel
 
+        if self.autotune and problem is not None and problem.a.is_cuda:
+            tuned = get_tuned_kernel(self.program, config, (problem.m, problem.n, problem.k),
+                                     _candidate_timer(self.program, problem))
+            return tuned.config, tuned.entry
         if self.tile is None and self.cluster is None and self.schedule is None:
             default = get_default_kernel(self.program, config)
             return default.config, default.entry
@@ -177,6 +196,30 @@ class Kernel:
                           "schedule left unset, calls run a configuration that does not spill where one exists",
                           SpillWarning, stacklevel=2)
         return config, entry
+
+
+def _candidate_timer(program: Program, problem: Problem):
+    """``time_kernel(config, entry)`` for ``cache.get_tuned_kernel``: the median ms of one call of
+    that kernel on ``problem``'s tensors, outputs and partials in fresh scratch tensors."""
+    def time_kernel(config: KernelConfig, entry: CacheEntry) -> float:
+        plan = CallPlan.build(program, problem, config, entry.function, entry.key)
+
+        def call():
+            plan.run(problem.a, problem.b, problem.operands, None, False, problem)
+        call()  # loads the module, warms the caches
+        times = []
+        for _ in range(TUNE_REPS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+    return time_kernel
+
+
+TUNE_REPS = 9  # timed calls per candidate (after one untimed), their median counts
 
 
 @dataclass
