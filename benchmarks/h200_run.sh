@@ -40,7 +40,7 @@ case $step in
              "library_program and not (300x528 or 1x272 or 1000x784 or 129x1040)" \
              "random_composition" "not library_program and not random_composition"; do
       i=$((i + 1))
-      python -m pytest tests/test_gpu_kernels.py tests/test_gpu_nn.py tests/test_gpu_training.py tests/test_gpu_derive.py -q -p no:cacheprovider -k "$k" \
+      python -m pytest tests/test_gpu_kernels.py tests/test_gpu_nn.py tests/test_gpu_training.py tests/test_gpu_derive.py tests/test_autotune.py -q -p no:cacheprovider -k "$k" \
         > "$out/tests$i.log" 2>&1 &
     done
     wait
