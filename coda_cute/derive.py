@@ -115,7 +115,8 @@ class Derivative:
 
     def assemble(self, results: dict) -> dict:
         """The gradient of each differentiated input (``"acc"`` and operand names) from the
-        backward's finished outputs (``results``: output name -> tensor)."""
+        backward's finished outputs (``results``: output name -> tensor): one output as it is
+        (no copy: a tile gradient stays in the dtype the kernel stored), several added in fp32."""
         grads = {}
         for grad in self.gradients:
             parts = [results[name] for name in grad.outputs]
@@ -123,10 +124,12 @@ class Derivative:
                 parts = [_interleave_columns(even, odd) for even, odd in zip(parts[::2], parts[1::2])]
             elif grad.layout == "col_even":
                 parts = [part[..., ::2] for part in parts]
-            total = parts[0].float()
-            for part in parts[1:]:
-                total = total + part.float()
-            grads[grad.name] = total.sum() if grad.layout == "scalar" else total
+            total = parts[0]  # one part keeps its dtype: a tile gradient stays as the kernel stored it
+            if len(parts) > 1:  # several add up in fp32
+                total = parts[0].float()
+                for part in parts[1:]:
+                    total = total + part.float()
+            grads[grad.name] = total.float().sum() if grad.layout == "scalar" else total
         return grads
 
     def describe(self) -> str:

@@ -138,9 +138,9 @@ def scaled_silu(acc, scale: cc.ColVec, residual: cc.Tile):
 
 def _chain_reference(x, weights, operands):
     rstd, bias, scale, residual = operands
-    y1 = cc.evaluate(geglu, x @ weights[0].t(), torch.eye(weights[0].shape[0]), {"rstd": rstd}).outputs["D"]
-    y2 = cc.evaluate(soft_cap, y1 @ weights[1].t(), torch.eye(weights[1].shape[0]), {"bias": bias}).outputs["D"]
-    out = cc.evaluate(scaled_silu, y2 @ weights[2].t(), torch.eye(weights[2].shape[0]),
+    y1 = cc.evaluate(geglu, x @ weights[0].t(), torch.eye(weights[0].shape[0], device=x.device), {"rstd": rstd}).outputs["D"]
+    y2 = cc.evaluate(soft_cap, y1 @ weights[1].t(), torch.eye(weights[1].shape[0], device=x.device), {"bias": bias}).outputs["D"]
+    out = cc.evaluate(scaled_silu, y2 @ weights[2].t(), torch.eye(weights[2].shape[0], device=x.device),
                       {"scale": scale, "residual": residual}).outputs
     return out["D"], out["sumsq"]
 
