@@ -195,7 +195,7 @@ class _Deriver:
         self.operands: dict[str, Operand] = {}  # the backward's, by name, as first read
         self.primal: dict[int, Expr] = {}  # forward node -> its value in the backward
         self.used_names = {o.name for o in program.operands} | set(out_names)
-        self.saved = _stored_accumulator(program, save_dtype)  # a forward output that is acc already
+        self.saved = stored_accumulator(program, save_dtype)  # a forward output that is acc already
         self.preact = self.saved or self.fresh(PREACT)
 
     # -- checks and names
@@ -450,7 +450,7 @@ def _names(given, allowed: list[str], what: str, program: str) -> list[str]:
     return chosen
 
 
-def _stored_accumulator(program: Program, dtype: str) -> str | None:
+def stored_accumulator(program: Program, dtype: str) -> str | None:
     """The name of a tile output of ``program`` that stores acc itself in ``dtype``, if one does."""
     for out in program.tile_outputs:
         node, stored = out.node, out.dtype or "in"

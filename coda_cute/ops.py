@@ -27,7 +27,7 @@ import torch
 
 from .arguments import TORCH_DTYPES, short_dtype
 from .config import KernelConfig
-from .derive import Derivative, derive
+from .derive import Derivative, derive, stored_accumulator
 from .errors import ArgumentError, ProgramError
 from .program import Program, index_operands
 from .reference import evaluate_accumulator
@@ -219,9 +219,13 @@ class _Chain:
     def __init__(self, layers: list[Derivative]):
         self.layers = layers
         self.forward_ops = [library_op(d.forward) for d in layers]
+        # each backward writes the accumulator's gradient over the saved accumulator where it reads
+        # one it alone holds (_overwrite): one tokens x N buffer through the backward, not two
+        self.overwrites = [_overwrite(d, last=i == len(layers) - 1) for i, d in enumerate(layers)]
         # the last layer's backward as a kernel, unless it is an elementwise pass (_last_layer)
-        self.backward_ops = [library_op(d.backward) for d in layers[:-1]]
-        self.backward_ops.append(None if layers[-1].accumulator == "upstream" else library_op(layers[-1].backward))
+        self.backward_ops = [library_op(d.backward, overwrite=o) for d, o in zip(layers[:-1], self.overwrites)]
+        self.backward_ops.append(None if layers[-1].accumulator == "upstream"
+                                 else library_op(layers[-1].backward, overwrite=self.overwrites[-1]))
         self.names = [[op.name for op in d.program.operands] for d in layers]
 
     def __call__(self, x: torch.Tensor, weights, operands=None):
@@ -312,8 +316,11 @@ class _ChainFunction(torch.autograd.Function):
                     a, b = d_acc, weights[i + 1].t()
                 args = [values[operand.name] for operand in d.backward.operands]
                 result = chain.backward_ops[i](a, b, *args)
-                result = result if isinstance(result, tuple) else (result,)
-                found = d.assemble({o.name: t for o, t in zip(d.backward.outputs, result)})
+                result = () if result is None else result if isinstance(result, tuple) else (result,)
+                written = chain.overwrites[i]
+                outputs = dict(zip((o.name for o in d.backward.outputs if o.name not in written), result))
+                outputs.update({out: values[operand] for out, operand in written.items()})
+                found = d.assemble(outputs)
             if i < n - 1:
                 weight_grads[i + 1] = _weight_gradient(d_acc, inputs[i + 1])
             d_acc = found.pop("acc", None)
@@ -330,6 +337,23 @@ class _ChainFunction(torch.autograd.Function):
                 flat_grads.append(None if grad is None or not isinstance(value, torch.Tensor)
                                   else grad.reshape(value.shape).to(value.dtype))
         return (None, dx, *weight_grads, *flat_grads)
+
+
+def _overwrite(d: Derivative, last: bool) -> dict[str, str]:
+    """{the accumulator's gradient: the saved accumulator} where the backward reads the accumulator
+    the forward stored, with the gradient's shape and dtype, and nobody else sees that tensor (a
+    layer's own output the chain returns, e.g. a program's `preact`, is left alone)."""
+    grad = next((g for g in d.gradients if g.name == "acc" and g.layout == "tile" and len(g.outputs) == 1), None)
+    saved = stored_accumulator(d.forward, "in")
+    if grad is None or saved is None or saved not in {op.name for op in d.backward.operands}:
+        return {}
+    if last and saved in {o.name for o in d.program.outputs}:
+        return {}
+    out = next(o for o in d.backward.tile_outputs if o.name == grad.outputs[0])
+    operand = d.backward.operand(saved)
+    if (out.dtype or "in") != "in" or operand.kind != "tile" or operand.width != out.node.width:
+        return {}
+    return {out.name: saved}
 
 
 def _kept(d: Derivative) -> list[str]:

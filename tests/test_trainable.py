@@ -157,6 +157,8 @@ def test_three_layer_chain_matches_autograd():
                 torch.rand(d, generator=gen) + 0.5, torch.randn(m, d, generator=gen)]
     chain = cc.ops.trainable_chain([geglu, soft_cap, scaled_silu])
     assert [layer.accumulator for layer in chain.layers] == ["upstream", "upstream", "recompute"]
+    # the two upstream layers write their accumulator's gradient over their saved accumulator
+    assert chain.overwrites == [{"d_acc": "preact"}, {"d_acc": "preact"}, {}]
     mine = [_leaf(t) for t in (x, *weights, *operands)]
     ref = [_leaf(t) for t in (x, *weights, *operands)]
     h, sumsq = chain(mine[0], mine[1:4], [{"rstd": mine[4]}, {"bias": mine[5]},
