@@ -17,6 +17,11 @@ other.  Its accumulator is one of two GEMM outputs:
   outputs are all reductions (cross-entropy) or to recompute instead of saving; upstream
   gradients of tile outputs come in as tile operands.
 
+With ``"upstream"`` and ``rebuild_output=True``, where the backward reads the saved
+pre-activation anyway, it also rebuilds the output ``grad_of`` itself (``Derivative.recomputed``,
+output ``<grad_of>_recomputed``): in a chain the next layer's weight gradient reads it there,
+so it is not kept from the forward (the hand-written SwiGLU backward's ``h``).
+
 Saving vs recomputing, stated once: a gradient that needs values of the forward recomputes them
 from ``acc`` inside the backward epilogue; with ``"upstream"`` that costs one saved tile (the
 pre-activation, in the inputs' dtype unless ``save_dtype`` says otherwise), with ``"recompute"``
@@ -112,6 +117,7 @@ class Derivative:
     upstream: tuple[str, ...]  # forward outputs whose gradient the backward takes
     upstream_operands: tuple[tuple[str, str], ...]  # (output, the backward operand holding its gradient)
     saved_outputs: tuple[str, ...]  # forward outputs the backward reads as operands
+    recomputed: str | None = None  # the backward output that holds ``grad_of`` rebuilt (module docstring)
 
     def assemble(self, results: dict) -> dict:
         """The gradient of each differentiated input (``"acc"`` and operand names) from the
@@ -143,7 +149,7 @@ class Derivative:
 # --------------------------------------------------------------------------- derivation
 def derive(program: Program, *, wrt: Iterable[str] | None = None, outputs: Iterable[str] | None = None,
            accumulator: str | None = None, grad_of: str | None = None, save_dtype: str = "in",
-           name: str | None = None) -> Derivative:
+           name: str | None = None, rebuild_output: bool = False) -> Derivative:
     """The backward program of ``program`` (see the module docstring).
 
     ``wrt``: the inputs to differentiate: ``"acc"`` and operand names (default: ``acc`` and every
@@ -151,9 +157,17 @@ def derive(program: Program, *, wrt: Iterable[str] | None = None, outputs: Itera
     back (default: all); ``accumulator``: ``"upstream"`` (default where ``outputs`` has a tile)
     or ``"recompute"``; ``grad_of``: with ``"upstream"``, the tile output whose gradient is the
     accumulator (default: the first tile output in ``outputs``); ``save_dtype``: the saved
-    pre-activation's storage dtype.  Raises ProgramError naming what cannot be derived."""
-    plain = (wrt, outputs, accumulator, grad_of, save_dtype, name) == (None, None, None, None, "in", None)
-    return _Deriver(program, wrt, outputs, accumulator, grad_of, save_dtype, name, plain).run()
+    pre-activation's storage dtype; ``rebuild_output``: with ``"upstream"``, also rebuild
+    ``grad_of`` where the backward reads the pre-activation anyway (``Derivative.recomputed``).
+    Raises ProgramError naming what cannot be derived."""
+    plain = (wrt, outputs, accumulator, grad_of, save_dtype, name, rebuild_output) == \
+        (None, None, None, None, "in", None, False)
+    deriver = _Deriver(program, wrt, outputs, accumulator, grad_of, save_dtype, name, plain)
+    if rebuild_output is not False and (rebuild_output is not True or deriver.accumulator != "upstream"):
+        raise ProgramError(f"derive({program.name}): rebuild_output=True is for accumulator='upstream', "
+                           f"got {rebuild_output!r} with {deriver.accumulator!r}")
+    deriver.rebuild_output = rebuild_output
+    return deriver.run()
 
 
 class _Deriver:
@@ -339,6 +353,12 @@ class _Deriver:
             raise ProgramError(f"derive({p.name}): no input in {list(self.wrt)} receives a gradient from "
                                f"outputs {self.outputs}")
         declared = _reads(outputs)
+        recomputed = None
+        if self.rebuild_output and self.preact in declared:
+            out = self._output(self.grad_of)
+            recomputed = self.fresh(f"{out.name}_recomputed")
+            outputs.append(Output(recomputed, self.value(out.node).node, out.dtype))
+            declared = _reads(outputs)
         operands = [op for name, op in self.operands.items() if name in declared]
         doc = (f"Backward of {p.name} (derived): accumulator = "
                + (f"the gradient of {self.grad_of}." if self.accumulator == "upstream" else "the forward's GEMM again."))
@@ -351,7 +371,7 @@ class _Deriver:
             forward = Program(p.name + "_save", list(p.operands), list(p.outputs) + [stored], doc=p.doc)
         return Derivative(p, forward, backward, self.accumulator, self.grad_of, self.wrt, tuple(gradients),
                           tuple(upstream), tuple((o, n) for o, n in upstream_operands if n in declared),
-                          tuple(saved_outputs))
+                          tuple(saved_outputs), recomputed)
 
     def _propagate(self, node: Node, g: Expr, space: Fraction, add, halves) -> None:
         """Pass g, the gradient of ``node`` spread over ``space``, on to its arguments."""

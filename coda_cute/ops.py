@@ -189,7 +189,7 @@ def trainable_chain(programs, *, outputs=None):
             raise ProgramError(f"trainable_chain: layer {i} ({program.name}) has no tile output to pass on")
         passed = program.tile_outputs[0].name
         layers.append(derive(program, outputs=[passed], grad_of=passed, accumulator="upstream",
-                             wrt=_default_wrt(program)))
+                             wrt=_default_wrt(program), rebuild_output=True))
     layers.append(_last_layer(programs[-1], _default_wrt(programs[-1]), outputs))
     return _Chain(layers)
 
@@ -271,8 +271,14 @@ class _ChainFunction(torch.autograd.Function):
         ctx.chain, ctx.counts = chain, [len(k) for k in kept]
         ctx.scalars = {j: t for j, t in enumerate(flat) if not isinstance(t, torch.Tensor)}
         ctx.tensor_slots = [j for j, t in enumerate(flat) if isinstance(t, torch.Tensor)]
-        ctx.save_for_backward(*inputs, *weights, *(t for k in kept for t in k),
-                              *(flat[j] for j in ctx.tensor_slots))
+        # a layer's input that the layer before rebuilds in its backward (Derivative.recomputed) is
+        # not kept: only its shape, dtype and device, unless the last layer runs its GEMM again
+        rebuilt = [False] + [d.recomputed is not None for d in chain.layers[:-1]]
+        if chain.layers[-1].accumulator == "recompute":
+            rebuilt[-1] = False
+        ctx.input_meta = [(t.shape, t.dtype, t.device) if r else None for t, r in zip(inputs, rebuilt)]
+        ctx.save_for_backward(*(None if r else t for t, r in zip(inputs, rebuilt)), *weights,
+                              *(t for k in kept for t in k), *(flat[j] for j in ctx.tensor_slots))
         statistics = [t for o, t in zip(last.program.outputs, outputs) if o.name not in last.upstream]
         if statistics:
             ctx.mark_non_differentiable(*statistics)
@@ -284,6 +290,10 @@ class _ChainFunction(torch.autograd.Function):
         n = len(chain.layers)
         saved = list(ctx.saved_tensors)
         inputs, weights, saved = saved[:n], saved[n:2 * n], saved[2 * n:]
+        for j, meta in enumerate(ctx.input_meta):  # stand-ins until the layer before rebuilds them
+            if meta is not None:
+                shape, dtype, device = meta
+                inputs[j] = torch.zeros((), dtype=dtype, device=device).expand(shape)
         kept = []
         for count in ctx.counts:
             kept.append(saved[:count])
@@ -321,6 +331,8 @@ class _ChainFunction(torch.autograd.Function):
                 outputs = dict(zip((o.name for o in d.backward.outputs if o.name not in written), result))
                 outputs.update({out: values[operand] for out, operand in written.items()})
                 found = d.assemble(outputs)
+                if d.recomputed is not None and ctx.input_meta[i + 1] is not None:
+                    inputs[i + 1] = outputs[d.recomputed].reshape(ctx.input_meta[i + 1][0])
             if i < n - 1:
                 weight_grads[i + 1] = _weight_gradient(d_acc, inputs[i + 1])
             d_acc = found.pop("acc", None)

@@ -165,6 +165,10 @@ def test_three_layer_chain_matches_autograd():
                                           {"scale": mine[6], "residual": mine[7]}])
     h_ref, sumsq_ref = _chain_reference(ref[0], ref[1:4], ref[4:])
     torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-5)
+    # layer 1's input (layer 0's output) is not kept: layer 0's backward rebuilds it for dW_1;
+    # layer 2's is, for its GEMM again
+    assert [d.recomputed for d in chain.layers] == ["D_recomputed", "D_recomputed", None]
+    assert [meta is not None for meta in h.grad_fn.input_meta] == [False, True, False]
     gh, gs = torch.randn(h.shape, generator=gen), torch.randn(sumsq.shape, generator=gen)
     ((h * gh).sum() + (sumsq * gs).sum()).backward()
     ((h_ref * gh).sum() + (sumsq_ref * gs).sum()).backward()
