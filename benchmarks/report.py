@@ -34,6 +34,8 @@ HERE = Path(__file__).resolve().parent
 #: the newest archived run of each kind for each d, newest first (paths relative to benchmarks/);
 #: an entry may be (path, note), the note printed under that file's tables' heading
 INPUTS = [
+    ("results/archive/2026-12-06b-h100-d4096-mlp-62245be.json",
+     "On an H100 80GB HBM3 (no H200 was lent that day): compare within this table only. 3 repetitions."),
     ("results/archive/2026-12-06-h100-d4096-block-a2167ed.json",
      "On an H100 80GB HBM3 (no H200 was lent that day): compare within this table only. 3 repetitions; "
      "the MLP's wall times spread 17-19 % (its GPU times are the steadier measure), the block's 0.4-13 %."),
