@@ -474,10 +474,11 @@ class _Body:
             inner.emit(sub)
         inner.add_coordinates()
         lanes = inner.lanes[id(node.args[0])]
-        # one register per row and segment; a tile-wide segment (j // groups is 0) needs no column term
-        column = f"j // {groups}" if groups > 1 else "j"
-        slot = f"{reg}[(m_block * 2 + h) * {per_tile} + {column}]" if per_tile > 1 else f"{reg}[m_block * 2 + h]"
-        registers = f"2 * mma_m * {per_tile}" if per_tile > 1 else "2 * mma_m"
+        # one register per row and segment; a tile-wide segment (one per row) needs no column term
+        b = self.backend
+        column = f"{b.column_group} // {groups}" if groups > 1 else b.column_group
+        slot = f"{reg}[({b.row_register}) * {per_tile} + {column}]" if per_tile > 1 else f"{reg}[{b.row_register}]"
+        registers = f"{b.row_registers} * {per_tile}" if per_tile > 1 else b.row_registers
         ctx = self.ctx
         ctx.segments.append(reg)
         lines = [f"# {node.describe()}: per row and {seg}-column segment, over the whole tile"]
@@ -493,26 +494,17 @@ class _Body:
             lines += [f"{reg} = cute.make_rmem_tensor(({registers},), cutlass.Float32)",
                       f"{reg}.fill({IDENTITY[kind]})"]
             update = [f"{slot} = {combine(kind, slot, reduce_term(kind, lane))}" for lane in lanes]
-        lines += ["for m_block in cutlass.range_constexpr(mma_m):",
-                  "    for j in cutlass.range_constexpr(TILE_N // 8):",
-                  "        for h in cutlass.range_constexpr(2):",
-                  "            pair0 = ((0, h, j), m_block, 0)",
-                  "            pair1 = ((1, h, j), m_block, 0)"]
+        lines += b.tile_pairs()
         lines += ["            " + line for line in inner.lines + update]
-        lines += [f"for k in cutlass.range_constexpr({registers}):  # the 4 threads of a row share it"]
+        lines += [f"for k in cutlass.range_constexpr({registers}):  # {b.row_sharing}"]
         if kind == "logsumexp":
-            lines += [f"    top, total = {reg}_max[k], {reg}[k]",
-                      "    for offset in cutlass.range_constexpr(1, 3):",
-                      "        other_top = cute.arch.shuffle_sync_bfly(top, offset=offset)",
-                      "        other_total = cute.arch.shuffle_sync_bfly(total, offset=offset)",
-                      "        top, total = logsumexp_merge(top, total, other_top, other_total)",
+            fold = b.row_fold([f"other_top = {b.row_shuffle('top')}", f"other_total = {b.row_shuffle('total')}",
+                               "top, total = logsumexp_merge(top, total, other_top, other_total)"])
+            lines += [f"    top, total = {reg}_max[k], {reg}[k]", *("    " + line for line in fold),
                       f"    {reg}[k] = top + cute.math.log(total, fastmath=True)"]
         else:
-            shuffled = combine(kind, "total", "cute.arch.shuffle_sync_bfly(total, offset=offset)")
-            lines += [f"    total = {reg}[k]",
-                      "    for offset in cutlass.range_constexpr(1, 3):",
-                      f"        total = {shuffled}",
-                      f"    {reg}[k] = total"]
+            fold = b.row_fold([f"total = {combine(kind, 'total', b.row_shuffle('total'))}"])
+            lines += [f"    total = {reg}[k]", *("    " + line for line in fold), f"    {reg}[k] = total"]
         ctx.tile_prologue += lines
         return slot
 
@@ -637,13 +629,15 @@ class _Body:
         lanes = self.lanes[id(out.node)]
         offset = _times(slot, "(TILE_THREADS // 32) * EPI_N") if slot else ""  # where its scratch starts
         ctx.helpers.add("where")
-        ctx.subtile_prologue += [f"{reg} = cute.make_rmem_tensor((EPI_N // 4,), cutlass.Float32)", f"{reg}.fill({identity})"]
+        b = self.backend
+        ctx.subtile_prologue += [f"{reg} = cute.make_rmem_tensor(({b.column_registers},), cutlass.Float32)",
+                                 f"{reg}.fill({identity})"]
         self.lines.append(f"# {out.name}: per-column {kind} of {out.node.describe()}, this thread's rows")
         for e, lane in enumerate(lanes):
             term = reduce_term(kind, lane)
-            slot_expr = f"{reg}[(j % (EPI_N // 8)) * 2{f' + {e}' if e else ''}]"
+            slot_expr = b.column_slot(reg, e)
             self.lines.append(f"{slot_expr} = {combine(kind, slot_expr, f'where(row < M, {term}, {identity})')}")
-        ctx.subtile_compute_end += [f"# {out.name}: combine the 8 threads of each column in a warp,",
+        ctx.subtile_compute_end += [f"# {out.name}: combine {b.column_sharing},",
                                     "# then park each warp's column sums in smem (col_scratch)",
                                     *self.backend.column_exchange(kind, reg, ctx.epi_n, offset)]
         gather = combine(kind, "total", f"col_scratch[{offset + ' + ' if offset else ''}warp * EPI_N + ctidx]")

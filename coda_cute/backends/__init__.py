@@ -40,6 +40,13 @@ class Backend(ABC):
     #: how many rows a thread holds in the pair loop (per-row registers), and which one it is at
     row_registers: str
     row_register: str
+    #: which threads share a row's values (a comment in the emitted code)
+    row_sharing: str
+    #: the index of the 8-column group the pair loop is at, within the tile
+    column_group: str
+    #: per-thread registers of a column reduction over one subtile, and which threads share a column
+    column_registers: str
+    column_sharing: str
 
     @abstractmethod
     def tile_threads(self, config: KernelConfig) -> int:
@@ -72,6 +79,22 @@ class Backend(ABC):
         """Lines that, for each row this thread holds, ``read`` its per-thread value, ``fold`` in
         those of the other threads sharing the row (``row_shuffle``), and ``write`` the tile's
         ``partial`` of output ``name`` once per row (``row`` defined)."""
+
+    @abstractmethod
+    def row_fold(self, fold: list[str]) -> list[str]:
+        """Lines that run ``fold`` (which reads partners' values through ``row_shuffle``) once per
+        exchange step among the threads sharing a row (none where a thread holds whole rows)."""
+
+    @abstractmethod
+    def tile_pairs(self) -> list[str]:
+        """Loop headers over every accumulator pair this thread holds in the whole tile (not one
+        subtile: segment reductions run before the subtiles), ``pair0`` and ``pair1`` defined;
+        the body goes three levels in."""
+
+    @abstractmethod
+    def column_slot(self, reg: str, lane: int) -> str:
+        """This thread's register of ``reg`` (``column_registers`` of them) for the column of
+        accumulator lane ``lane`` at the pair loop's step, within a subtile."""
 
     @abstractmethod
     def column_exchange(self, kind: str, reg: str, epi_n: int, offset: str = "") -> list[str]:

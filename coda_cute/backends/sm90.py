@@ -40,6 +40,10 @@ class SM90(Backend):
     table_slot = "h + 2 * (m_block + mma_m * (j % (EPI_N // 8)))"
     row_registers = "2 * mma_m"  # two rows (h) per MMA block
     row_register = "m_block * 2 + h"
+    row_sharing = "the 4 threads of a row share it"
+    column_group = "j"
+    column_registers = "EPI_N // 4"  # two columns per 8-column group of the subtile
+    column_sharing = "the 8 threads of each column in a warp"
 
     def tile_threads(self, config: KernelConfig) -> int:
         return tile_threads(config)
@@ -68,13 +72,25 @@ class SM90(Backend):
     def row_shuffle(self, value: str) -> str:
         return f"cute.arch.shuffle_sync_bfly({value}, offset=offset)"
 
+    def row_fold(self, fold: list[str]) -> list[str]:
+        return ["for offset in cutlass.range_constexpr(1, 3):", *("    " + line for line in fold)]
+
+    def tile_pairs(self) -> list[str]:
+        return ["for m_block in cutlass.range_constexpr(mma_m):",
+                "    for j in cutlass.range_constexpr(TILE_N // 8):",
+                "        for h in cutlass.range_constexpr(2):",
+                "            pair0 = ((0, h, j), m_block, 0)",
+                "            pair1 = ((1, h, j), m_block, 0)"]
+
+    def column_slot(self, reg: str, lane: int) -> str:
+        return f"{reg}[(j % (EPI_N // 8)) * 2{f' + {lane}' if lane else ''}]"
+
     def row_partials(self, name: str, partial: str, read: list[str], fold: list[str], write: list[str]) -> list[str]:
         return [f"# {name}: combine the 4 threads of each row, write this tile's {partial}",
                 "for m_block in cutlass.range_constexpr(mma_m):",
                 "    for h in cutlass.range_constexpr(2):",
                 *("        " + line for line in read),
-                "        for offset in cutlass.range_constexpr(1, 3):",
-                *("            " + line for line in fold),
+                *("        " + line for line in self.row_fold(fold)),
                 "        row = row0 + tCcAcc[((0, h, 0), m_block, 0)][0]",
                 "        if ctidx % 4 == 0 and row < M and col0 < N:  # a cluster may own a tile past N: no partial",
                 *("            " + line for line in write)]
