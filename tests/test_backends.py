@@ -21,3 +21,15 @@ def test_an_arch_without_a_backend_is_refused():
         backend("sm_100a")
     with pytest.raises(UnsupportedError, match="sm_100a"):
         lower(library.get("gemm"), KernelConfig(arch="sm_100a"))
+
+
+def test_the_lowering_spells_no_fragment_scheme():
+    """Which accumulator values a thread holds and how threads exchange them is the backend's
+    (backends/sm90.py); the lowering reaches them only through the Backend interface."""
+    from pathlib import Path
+
+    import coda_cute.lower
+
+    source = Path(coda_cute.lower.__file__).read_text()
+    for hopper in ("mma_m", "m_block", "shuffle_sync", "EPI_N // 8", "range_constexpr(1, 3)"):
+        assert hopper not in source, f"lower.py spells {hopper!r}: move it behind the backend"
