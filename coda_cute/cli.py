@@ -32,7 +32,7 @@ records it, so later calls go straight to the kernel they run.
 Errors the user can fix (``coda_cute.errors.CodaError``) print as one line,
 ``coda-cute: error: <message>``, and exit with status 2.
 
-``coda_cute.cache.precompile(programs, configs, jobs=...)`` is the Python API behind
+``coda_cute.precompile.precompile(programs, configs, jobs=...)`` is the Python API behind
 ``coda-cute precompile``; ``Kernel(program, autotune=True)`` the one behind ``coda-cute tune``
 (a call with ``autotune=True`` at that shape then starts with the winner).
 """
@@ -364,7 +364,8 @@ def precompile_requests(args) -> list[tuple[Program, KernelConfig]]:
 
 def cmd_precompile(args) -> int:
     from . import library
-    from .cache import cache_dir, precompile_pairs
+    from .cache import cache_dir
+    from .precompile import precompile_pairs
 
     if args.all and args.names:
         raise ProgramError("give program names or --all, not both")

@@ -186,7 +186,7 @@ def parse_pair(text: str, what: str) -> tuple[int, int]:
 
 def parse_operand_dtypes(program: Program, items: Iterable[str] | None) -> tuple[tuple[str, str], ...]:
     """``NAME=DTYPE`` flags -> ``KernelConfig.operand_dtypes``, checked against ``program`` (the
-    CLI's ``--operand-dtype``; ``cache.precompile`` checks a config's operand dtypes with it too)."""
+    CLI's ``--operand-dtype``; ``precompile.precompile`` checks a config's operand dtypes with it too)."""
     tensors = [op.name for op in program.operands if op.kind != "scalar"]
     found: dict[str, str] = {}
     for item in items or ():

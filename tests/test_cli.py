@@ -16,7 +16,8 @@ import torch
 
 from coda_cute import library
 from coda_cute.arguments import bind
-from coda_cute.cache import cache_key, list_entries, precompile
+from coda_cute.cache import cache_key, list_entries
+from coda_cute.precompile import precompile
 from coda_cute.cli import build_parser, main, precompile_requests
 from coda_cute.config import KernelConfig
 from coda_cute.render import emit
