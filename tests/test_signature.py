@@ -10,26 +10,15 @@ import torch
 from coda_cute import library
 from coda_cute.arguments import TORCH_DTYPES, bind
 from coda_cute.config import KernelConfig
-from coda_cute.errors import UnsupportedError
-from coda_cute.lower import lower
 from coda_cute.reference import evaluate_problem
 from coda_cute.render import emit
 from coda_cute.runtime import CallPlan
 from coda_cute.signature import TILES, host_arguments
 
-
-def _lowerable():
-    names = []
-    for name, program in library.programs().items():
-        try:
-            lower(program, KernelConfig())
-            names.append(name)
-        except UnsupportedError:
-            pass
-    return names
+from test_compile import _lowerable
 
 
-NAMES = _lowerable()
+NAMES = _lowerable(KernelConfig())
 
 
 def _inputs(program, m, n, k, gen):
