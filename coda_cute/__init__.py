@@ -17,9 +17,10 @@ the generator (``config`` to ``cache``: a program becomes a compiled kernel), th
 - ``signature``  the kernel's host arguments in order, with dtypes and symbolic shapes (read
                  by the lowering, compile's fake arguments, the call plan and the custom ops);
 - ``spelling``   CuTe-DSL spellings the lowering and the backends share (dtypes, reduction folds);
-- ``backends``, ``backends.sm90``, ``backends.registry``
+- ``backends``, ``backends.sm90``, ``backends.sm100``, ``backends.registry``
                  what a GPU generation decides (the interface), Hopper's (fragment scheme,
-                 schedules, shared-memory plan, template), and the backend of each arch;
+                 schedules, shared-memory plan, template), Blackwell's (compile-verified
+                 only), and the backend of each arch;
 - ``lower``      program + config -> the template's context (per-lane epilogue code, arch-neutral);
 - ``wrap``       line wrapping of the emitted module (code and docstring, 100 columns);
 - ``render``     the Jinja templates (``templates/``) -> one standalone CuTe-DSL module;

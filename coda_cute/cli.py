@@ -188,7 +188,7 @@ def _flag_config(program: Program, args) -> KernelConfig:
     """The kernel the flags describe; what they leave out follows `Kernel`'s rules."""
     tile, cluster, schedule = runtime_defaults(  # an unknown schedule is kept, for check() to name
         program, parse_tile(args.tile) if args.tile else None, parse_cluster(args.cluster) if args.cluster else None,
-        args.schedule)
+        args.schedule, arch=args.arch)
     return KernelConfig(
         arch=args.arch, gpu=args.gpu, dtype=args.dtype, majors=args.majors,
         tile=tile, cluster=cluster, schedule=schedule,

@@ -16,8 +16,11 @@ from .errors import UnsupportedError
 from .program import Program, index_operands
 
 #: Streaming multiprocessors per GPU model (the persistent grid is sized from it).
-GPUS = {"H100": 132, "H200": 132, "H800": 132, "H100-PCIe": 114, "H20": 78}
-ARCHS = ("sm_90a",)
+GPUS = {"H100": 132, "H200": 132, "H800": 132, "H100-PCIe": 114, "H20": 78, "B200": 148, "GB200": 148}
+#: the arch each GPU model runs (a kernel is built for one arch and one GPU's SM count)
+GPU_ARCHS = {"H100": "sm_90a", "H200": "sm_90a", "H800": "sm_90a", "H100-PCIe": "sm_90a", "H20": "sm_90a",
+             "B200": "sm_100a", "GB200": "sm_100a"}
+ARCHS = ("sm_90a", "sm_100a")
 INPUT_DTYPES = ("bf16", "f16")
 #: dtypes of tensor operands (row/column vectors, tiles, tables)
 OPERAND_DTYPES = ("bf16", "f16", "f32", "i32")  # i32: vectors of indices only (resolved() checks)
@@ -30,7 +33,7 @@ SCHEDULES = ("cooperative", "pingpong")
 SWIZZLES = (1, 2, 4, 8)
 #: the default: 1-4 % faster than 1 on 9 of 11 ops at d = 4096 on the H200 (results README, 2026-12-03)
 DEFAULT_SWIZZLE = 4
-SMEM_BYTES = {"sm_90a": 232448}  # dynamic shared memory per CTA on Hopper (227 KB)
+SMEM_BYTES = {"sm_90a": 232448, "sm_100a": 232448}  # dynamic shared memory per CTA (227 KB on both)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,10 @@ class KernelConfig:
             raise UnsupportedError(f"arch {self.arch!r} is not supported; supported: {', '.join(ARCHS)}")
         if not isinstance(self.gpu, str) or self.gpu not in GPUS:
             raise UnsupportedError(f"GPU {self.gpu!r} is unknown; known: {', '.join(GPUS)}")
+        if GPU_ARCHS[self.gpu] != self.arch:
+            fits = [gpu for gpu, arch in GPU_ARCHS.items() if arch == self.arch]
+            raise UnsupportedError(f"GPU {self.gpu!r} runs {GPU_ARCHS[self.gpu]} kernels, not {self.arch}; "
+                                   f"name a GPU of {self.arch} ({', '.join(fits)})")
         if not isinstance(self.dtype, str) or self.dtype not in INPUT_DTYPES:
             raise UnsupportedError(f"input dtype {self.dtype!r} is not supported; expected bf16 or f16")
         if not isinstance(self.majors, str) or len(self.majors) != 2 or self.majors[0] not in "km" \

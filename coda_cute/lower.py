@@ -144,10 +144,10 @@ def _check_supported(program: Program, config: KernelConfig) -> None:
         if out.axis == "col" and out.node.width != ONE:
             raise UnsupportedError(
                 f"output {out.name!r}: column reductions of {width_str(out.node.width)}-wide values are not "
-                "lowered to sm_90a yet (N-wide values are)"
+                f"lowered to {config.arch} yet (N-wide values are)"
             )
         if out.axis == "col" and out.reduce == "logsumexp":
-            raise UnsupportedError(f"output {out.name!r}: column logsumexp is not lowered to sm_90a yet (row logsumexp is)")
+            raise UnsupportedError(f"output {out.name!r}: column logsumexp is not lowered to {config.arch} yet (row logsumexp is)")
     in_segments = tables_in_segment_reductions(program) if config.stage_tables else set()
     if in_segments:
         raise UnsupportedError(f"tables {sorted(in_segments)}: a segment reduction runs over the whole tile before "

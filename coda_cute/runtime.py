@@ -37,8 +37,8 @@ import torch
 from . import reference
 from .arguments import Problem, _aligned, _row_stride_ok, bind, check_kernel_arguments, check_outputs
 from .arguments import TORCH_DTYPES, short_dtype
-from .backends.registry import backend
-from .config import DEFAULT_SWIZZLE, GPUS, KernelConfig
+from .backends.registry import BACKENDS, backend
+from .config import DEFAULT_SWIZZLE, GPU_ARCHS, GPUS, KernelConfig
 from .errors import ArgumentError, ProgramError, UnsupportedError
 from .lower import fits_shared_memory, lower, tables_in_segment_reductions
 from .primitives import check_scalar
@@ -48,7 +48,8 @@ from .signature import host_arguments
 if TYPE_CHECKING:
     from .cache import CacheEntry
 
-_GPU_NAMES = {"H200": "H200", "H100 PCIe": "H100-PCIe", "H100": "H100", "H800": "H800", "H20": "H20"}
+_GPU_NAMES = {"H200": "H200", "H100 PCIe": "H100-PCIe", "H100": "H100", "H800": "H800", "H20": "H20",
+              "GB200": "GB200", "B200": "B200"}
 
 
 class SpillWarning(UserWarning):
@@ -343,13 +344,15 @@ def gpu_model(device: torch.device, arch: str = KernelConfig.arch) -> str:
     if (props.major, props.minor) != target.capability:
         raise UnsupportedError(f"{props.name} is sm_{props.major}{props.minor}; coda-cute kernels target "
                                f"{target.arch} ({target.generation})")
+    models = [model for model in GPUS if GPU_ARCHS[model] == target.arch]
     for needle, model in _GPU_NAMES.items():
-        if needle in props.name and GPUS[model] == props.multi_processor_count:
+        if needle in props.name and model in models and GPUS[model] == props.multi_processor_count:
             return model
-    for model, sms in GPUS.items():
-        if sms == props.multi_processor_count:
+    for model in models:
+        if GPUS[model] == props.multi_processor_count:
             return model
-    raise UnsupportedError(f"{props.name} with {props.multi_processor_count} SMs is not a known Hopper GPU")
+    raise UnsupportedError(f"{props.name} with {props.multi_processor_count} SMs is not a known "
+                           f"{target.generation} GPU")
 
 
 def fill_config(program: Program, m: int, n: int, tile=None, cluster=None, schedule=None) -> tuple:
@@ -363,11 +366,15 @@ def fill_config(program: Program, m: int, n: int, tile=None, cluster=None, sched
     return tile or default[0], cluster or default[1], schedule or default[2]
 
 
-def runtime_defaults(program: Program, tile=None, cluster=None,
-                     schedule=None) -> tuple[tuple[int, int], tuple[int, int], str]:
+def runtime_defaults(program: Program, tile=None, cluster=None, schedule=None,
+                     arch: str = KernelConfig.arch) -> tuple[tuple[int, int], tuple[int, int], str]:
     """Tile, cluster and schedule ``Kernel`` runs for a large problem (M, N in the thousands),
     with the ones given kept and the rest filled as ``Kernel`` fills them: what ``coda-cute emit``,
-    ``inspect`` and ``precompile`` build when their flags leave them out."""
+    ``inspect`` and ``precompile`` build when their flags leave them out.  An arch whose backend
+    has defaults of its own (``Backend.defaults``) fills from those."""
+    fixed = backend(arch).defaults if arch in BACKENDS else None
+    if fixed is not None:
+        return tuple(tile or fixed[0]), tuple(cluster or fixed[1]), schedule or fixed[2]
     tile, cluster, schedule = fill_config(program, 8192, 8192, tile, cluster, schedule)
     return tuple(tile), tuple(cluster), schedule
 

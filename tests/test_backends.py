@@ -17,10 +17,10 @@ def test_every_arch_has_a_backend():
 
 
 def test_an_arch_without_a_backend_is_refused():
-    with pytest.raises(UnsupportedError, match="sm_100a"):
-        backend("sm_100a")
-    with pytest.raises(UnsupportedError, match="sm_100a"):
-        lower(library.get("gemm"), KernelConfig(arch="sm_100a"))
+    with pytest.raises(UnsupportedError, match="sm_120a"):
+        backend("sm_120a")
+    with pytest.raises(UnsupportedError, match="sm_120a"):
+        lower(library.get("gemm"), KernelConfig(arch="sm_120a"))
 
 
 def test_the_lowering_spells_no_fragment_scheme():

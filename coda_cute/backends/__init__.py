@@ -11,7 +11,8 @@ what its kernels' layout decides:
   bytes its template's SharedStorage takes;
 - where it runs and how it is written: the compute capability and the template.
 
-``backends.registry`` maps each arch to its backend; ``backends.sm90`` is Hopper's.
+``backends.registry`` maps each arch to its backend; ``backends.sm90`` is Hopper's,
+``backends.sm100`` Blackwell's.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class Backend(ABC):
     generation: str
     #: the template (in ``templates/``) that renders its kernels
     template: str
+    #: the (tile, cluster, schedule) its kernels take where a caller fixes none of them; None:
+    #: the runtime's rules, measured on Hopper (``runtime.default_tile``)
+    defaults: tuple | None = None
     #: the accumulator's values at one step of the pair loop, as the per-pair code reads them
     acc_lanes: tuple[str, ...]
     #: a pair's place among a subtile's pairs in a table's register fragment

@@ -5,8 +5,9 @@ from __future__ import annotations
 from ..errors import UnsupportedError
 from . import Backend
 from .sm90 import SM90
+from .sm100 import SM100
 
-BACKENDS: dict[str, Backend] = {backend.arch: backend for backend in (SM90(),)}
+BACKENDS: dict[str, Backend] = {backend.arch: backend for backend in (SM90(), SM100())}
 
 
 def backend(arch: str) -> Backend:

@@ -1,0 +1,186 @@
+"""Blackwell (sm_100a): every library program either cross-compiles for sm_100a on this
+(GPU-less) machine, with the SASS of the kernel we meant to build (tcgen05 MMAs, TMEM loads, TMA
+loads and stores, no WGMMA, no spills, a finishing kernel exactly where it reduces), or is
+refused with an UnsupportedError naming sm_100a and what it lacks.  These kernels are
+compile-verified only: none has run on a Blackwell GPU."""
+
+import re
+
+import pytest
+
+import coda_cute as cc
+from coda_cute import library
+from coda_cute.backends.registry import backend
+from coda_cute.config import KernelConfig
+from coda_cute.errors import UnsupportedError
+from coda_cute.lower import lower
+from coda_cute.render import emit
+from coda_cute.runtime import runtime_defaults
+
+BLACKWELL = KernelConfig(arch="sm_100a", gpu="B200", tile=(128, 256), cluster=(1, 1))
+TILES = {"128x256": (128, 256), "128x128": (128, 128)}
+# what this slice refuses, and the words its refusal names
+REFUSED = {"alpha_beta": "tile inputs", "gemm_accumulate": "tile inputs", "residual_sumsq": "tile inputs",
+           "rmsnorm_bwd": "tile inputs", "rmsnorm_bwd_residual": "tile inputs",
+           "rmsnorm_bwd_rowdot": "tile inputs", "swiglu_bwd": "tile inputs",
+           "swiglu_bwd_recompute": "tile inputs", "rope_qkv": "tables", "rms_rope_qkv": "tables",
+           "qk_rmsnorm": "segment reductions"}
+# random compositions (tests/random_programs.py) in the slice: N/2 and N outputs, row max,
+# maxabs, logsumexp, sum and sumsq
+RANDOM_SEEDS = (7, 11, 13, 14, 52, 59)
+
+
+def _wide_output():
+    @cc.epilogue
+    def wide_output(acc, bias: cc.ColVec):
+        """A 2N-wide output (16-bit words) beside an f32 one, and a row maximum."""
+        y = acc + bias
+        return {"D": cc.interleave(y, acc.row), "y32": y.to(cc.f32), "top": cc.row_max(y)}
+
+    return wide_output
+
+
+def _check_sass(name, program, compiled):
+    sass = compiled.artifacts["sass"].read_text()
+    ops = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("UTCHMMA", "LDTM", "UTMALDG", "UTMASTG", "HGMMA")}
+    assert ops["UTCHMMA"] > 0 and ops["LDTM"] > 0 and ops["UTMALDG"] > 0, f"{name}: {ops}"
+    assert ops["HGMMA"] == 0, f"{name}: Hopper's WGMMA in an sm_100a kernel"
+    assert (ops["UTMASTG"] > 0) == bool(program.tile_outputs), f"{name}: TMA stores exactly where it stores tiles"
+    assert compiled.spill_bytes == 0 and "LDL" not in sass and "STL" not in sass, f"{name}: spills"
+    finish = re.search(r"\.text\.kernel_cutlass_finish", sass) is not None
+    assert finish == bool(program.reductions), f"{name}: a finishing kernel exactly where it reduces"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("name", sorted(library.programs()))
+def test_library_program_compiles_for_sm100_or_is_refused(name, tile, tmp_path):
+    from coda_cute.compile import compile_program
+
+    program = library.get(name)
+    config = BLACKWELL.with_(tile=TILES[tile])
+    if name in REFUSED:
+        with pytest.raises(UnsupportedError, match=f"{REFUSED[name]} are not lowered to sm_100a"):
+            lower(program, config)
+        return
+    compiled = compile_program(program, config, keep=("sass",), dump_dir=tmp_path / "dump",
+                               source_dir=tmp_path / "src", report=True)
+    _check_sass(name, program, compiled)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("seed", RANDOM_SEEDS + ("wide_output",))
+def test_random_compositions_compile_for_sm100(seed, tmp_path):
+    from random_programs import random_program
+
+    from coda_cute.compile import compile_program
+
+    program = _wide_output() if seed == "wide_output" else random_program(seed)
+    compiled = compile_program(program, BLACKWELL, keep=("sass",), dump_dir=tmp_path / "dump",
+                               source_dir=tmp_path / "src", report=True)
+    _check_sass(str(seed), program, compiled)
+
+
+def test_sm100_refuses_what_this_slice_does_not_build():
+    gemm = library.get("gemm")
+    for config, words in ((BLACKWELL.with_(cluster=(2, 1)), "cluster 2x1 is not built for sm_100a"),
+                          (BLACKWELL.with_(tile=(128, 192)), "tile 128x192 is not built for sm_100a"),
+                          (BLACKWELL.with_(tile=(256, 128)), "tile 256x128 is not built for sm_100a"),
+                          (BLACKWELL.with_(schedule="pingpong", tile=(128, 128)), "'pingpong' is not built for sm_100a")):
+        with pytest.raises(UnsupportedError, match=words):
+            lower(gemm, config)
+
+    @cc.epilogue
+    def col_sum(acc):
+        return {"D": acc, "s": cc.col_sum(acc)}
+
+    with pytest.raises(UnsupportedError, match="column reductions are not lowered to sm_100a"):
+        lower(col_sum, BLACKWELL)
+
+
+def test_an_sm100_config_needs_a_blackwell_gpu_and_hopper_keeps_its_defaults():
+    assert KernelConfig().arch == "sm_90a" and KernelConfig().gpu == "H200"
+    with pytest.raises(UnsupportedError, match="GPU 'H200' runs sm_90a kernels, not sm_100a.*B200, GB200"):
+        KernelConfig(arch="sm_100a").check()
+    with pytest.raises(UnsupportedError, match="GPU 'B200' runs sm_100a kernels, not sm_90a"):
+        KernelConfig(gpu="B200").check()
+    assert KernelConfig(arch="sm_100a", gpu="GB200").check().sm_count == 148
+    assert backend("sm_100a").capability == (10, 0)
+    # what emit and inspect build with no tile, cluster or schedule given
+    assert runtime_defaults(library.get("gemm"), arch="sm_100a") == ((128, 256), (1, 1), "cooperative")
+
+
+def test_a_hopper_gpu_is_refused_for_sm100_kernels(monkeypatch):
+    """Kernels of sm_100a on a Hopper device: the call side's capability check refuses them."""
+    import torch
+
+    from coda_cute.runtime import gpu_model
+
+    class Props:
+        name, major, minor, multi_processor_count = "NVIDIA H200", 9, 0, 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    with pytest.raises(UnsupportedError, match="sm_90; coda-cute kernels target sm_100a"):
+        gpu_model(torch.device("cuda"), "sm_100a")
+    Props.name, Props.major, Props.minor, Props.multi_processor_count = "NVIDIA B200", 10, 0, 148
+    assert gpu_model(torch.device("cuda"), "sm_100a") == "B200"
+
+
+def test_the_emitted_sm100_module_reads_like_hopper_one():
+    for name in ("gemm", "cross_entropy_stats_save", "swiglu_save", "rms_scale_gamma"):
+        source = emit(library.get(name), BLACKWELL)
+        assert all(len(line) <= 100 for line in source.splitlines()), name
+        assert "--arch sm_100a --gpu B200" in source and "Compile-verified for sm_100a" in source
+        assert "tcgen05" in source and "warpgroup" not in source
+    row_sums = emit(library.get("cross_entropy_stats"), BLACKWELL)
+    assert "shuffle" not in row_sums  # a thread holds whole rows: no exchange
+    assert "part_lse[(0, tile_n, row)] = row_max" in row_sums
+
+
+def test_cli_emits_for_sm100(tmp_path, capsys):
+    from coda_cute import cli
+
+    out = tmp_path / "gemm.py"
+    assert cli.main(["emit", "gemm", "--arch", "sm_100a", "--gpu", "B200", "-o", str(out)]) in (0, None)
+    assert "cluster 1x1" in out.read_text() and "SM_COUNT = 148" in out.read_text()
+
+
+@pytest.mark.compile
+def test_fragment_mapping_matches_the_tmem_load_partition():
+    """Thread t of the epilogue holds tile row t, its register i of subtile s column 32 s + i: what
+    the template's pair loop assumes (pair0 = subtile * EPI_N + slot0, row = row0 + ctidx), as
+    CuTe's partition of the tcgen05.ld 32x32b.x32 copy reports it at trace time."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.nvgpu import tcgen05
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    from cutlass.cute.nvgpu import OperandMajorMode
+
+    tile_m, tile_n, epi_n = 128, 256, 32
+    found = []
+
+    @cute.jit
+    def probe():
+        tiled_mma = sm100_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32,
+            tcgen05.CtaGroup.ONE, (tile_m, tile_n))
+        acc_shape = tiled_mma.partition_shape_C((tile_m, tile_n))
+        layout = tiled_mma.make_fragment_C(acc_shape).layout
+        from cutlass.utils.gemm.sm100 import transform_partitioned_tensor_layout
+
+        tmem = cute.make_tensor(cute.make_ptr(cutlass.Float32, 0, cute.AddressSpace.tmem), layout)
+        tAcc = transform_partitioned_tensor_layout(tmem)
+        tAcc_epi = cute.flat_divide(tAcc, (tile_m, epi_n))
+        atom = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(epi_n)), cutlass.Float32)
+        t2r = tcgen05.make_tmem_copy(atom, tAcc_epi[(None, None, 0, 0)])
+        subtiles = cute.flat_divide(cute.make_identity_tensor((tile_m, tile_n)), (tile_m, epi_n))
+        for t in (0, 1, 31, 32, 77, 127):
+            coords = t2r.get_slice(t).partition_D(subtiles)
+            for s in (0, 3, 7):
+                for i in (0, 1, 2, 17, 31):
+                    found.append((t, s, i, coords[(None, None, None, 0, s)][i]))
+
+    probe()
+    assert found
+    for t, s, i, (row, col) in found:
+        assert (row, col) == (t, epi_n * s + i), (t, s, i, row, col)
