@@ -47,7 +47,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .config import CLUSTER_SHAPES, DEFAULT_SWIZZLE, GPUS, SCHEDULES, SWIZZLES, TILE_SHAPES, KernelConfig
+from .config import CLUSTER_SHAPES, DEFAULT_GPUS, DEFAULT_SWIZZLE, GPUS, SCHEDULES, SWIZZLES, TILE_SHAPES
+from .config import KernelConfig
 from .config import parse_operand_dtypes, parse_pair
 from .errors import CodaError, ProgramError, UnsupportedError
 from .program import Program, width_str
@@ -190,7 +191,8 @@ def _flag_config(program: Program, args) -> KernelConfig:
         program, parse_tile(args.tile) if args.tile else None, parse_cluster(args.cluster) if args.cluster else None,
         args.schedule, arch=args.arch)
     return KernelConfig(
-        arch=args.arch, gpu=args.gpu, dtype=args.dtype, majors=args.majors,
+        arch=args.arch, gpu=args.gpu or DEFAULT_GPUS.get(args.arch, KernelConfig.gpu), dtype=args.dtype,
+        majors=args.majors,
         tile=tile, cluster=cluster, schedule=schedule,
         operand_dtypes=parse_operand_dtypes(program, args.operand_dtype),
         table_periods=parse_table_periods(program, getattr(args, "table_period", None)),
@@ -332,8 +334,11 @@ def precompile_requests(args) -> list[tuple[Program, KernelConfig]]:
     for schedule in args.schedule or []:
         if schedule not in SCHEDULES:
             raise UnsupportedError(f"schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
-    KernelConfig(arch=args.arch).check()
-    for field, values in (("gpu", args.gpu), ("dtype", args.dtype), ("majors", args.majors)):
+    KernelConfig(arch=args.arch, gpu=DEFAULT_GPUS.get(args.arch, KernelConfig.gpu)).check()
+    gpus = args.gpu or [DEFAULT_GPUS[args.arch]]
+    for gpu in gpus:
+        KernelConfig(arch=args.arch, gpu=gpu).check()
+    for field, values in (("dtype", args.dtype), ("majors", args.majors)):
         for value in values or []:
             KernelConfig(**{field: value}).check()
     if args.all:  # --operand-dtype residual=f32 --all: for the programs that have a `residual`
@@ -349,13 +354,13 @@ def precompile_requests(args) -> list[tuple[Program, KernelConfig]]:
             tensors = {op.name for op in program.operands if op.kind != "scalar"}
             items = [item for item in items if item.partition("=")[0].strip() in tensors]
         operand_dtypes = parse_operand_dtypes(program, items)
-        for gpu in args.gpu or [KernelConfig.gpu]:
+        for gpu in gpus:
             for dtype in args.dtype or [KernelConfig.dtype]:
                 for majors in args.majors or [KernelConfig.majors]:
                     for tile in tiles:
                         for cluster in clusters:
                             for schedule in schedules:
-                                picked = runtime_defaults(program, tile, cluster, schedule)
+                                picked = runtime_defaults(program, tile, cluster, schedule, arch=args.arch)
                                 pairs.append((program, KernelConfig(
                                     arch=args.arch, gpu=gpu, dtype=dtype, majors=majors, tile=picked[0],
                                     cluster=picked[1], schedule=picked[2], operand_dtypes=operand_dtypes)))
@@ -463,8 +468,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, several: bool = False) ->
         return many if several else dict(default=value)
 
     group.add_argument("--arch", default=d.arch, help=f"target architecture (default {d.arch})")
-    group.add_argument("--gpu", **default(d.gpu), metavar="GPU",
-                       help=f"GPU model, sets the persistent grid: {', '.join(GPUS)} (default {d.gpu})")
+    group.add_argument("--gpu", **default(None), metavar="GPU",
+                       help=f"GPU model, sets the persistent grid: {', '.join(GPUS)} (default: the arch's, "
+                            f"{', '.join(f'{gpu} for {arch}' for arch, gpu in DEFAULT_GPUS.items())})")
     group.add_argument("--dtype", **default(d.dtype), help=f"A and B dtype: bf16 or f16 (default {d.dtype})")
     group.add_argument("--majors", **default(d.majors),
                        help=f"A's major (k or m) then B's (k or n); kk is x @ W.T (default {d.majors})")

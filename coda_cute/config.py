@@ -21,6 +21,8 @@ GPUS = {"H100": 132, "H200": 132, "H800": 132, "H100-PCIe": 114, "H20": 78, "B20
 GPU_ARCHS = {"H100": "sm_90a", "H200": "sm_90a", "H800": "sm_90a", "H100-PCIe": "sm_90a", "H20": "sm_90a",
              "B200": "sm_100a", "GB200": "sm_100a"}
 ARCHS = ("sm_90a", "sm_100a")
+#: the GPU an arch's kernels are built for where none is named
+DEFAULT_GPUS = {"sm_90a": "H200", "sm_100a": "B200"}
 INPUT_DTYPES = ("bf16", "f16")
 #: dtypes of tensor operands (row/column vectors, tiles, tables)
 OPERAND_DTYPES = ("bf16", "f16", "f32", "i32")  # i32: vectors of indices only (resolved() checks)

@@ -184,3 +184,18 @@ def test_fragment_mapping_matches_the_tmem_load_partition():
     assert found
     for t, s, i, (row, col) in found:
         assert (row, col) == (t, epi_n * s + i), (t, s, i, row, col)
+
+
+def test_cli_builds_for_sm_100a_with_its_gpu_by_default(tmp_path, capsys, monkeypatch):
+    """`--arch sm_100a` alone builds for a B200, in emit and precompile alike (--gpu names another)."""
+    from coda_cute import cache
+    from coda_cute.cli import main
+
+    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "cache"))
+    assert main(["emit", "gemm", "--arch", "sm_100a", "-o", str(tmp_path / "gemm.py")]) == 0
+    source = (tmp_path / "gemm.py").read_text()
+    assert "--arch sm_100a --gpu B200" in source and "tcgen05" in source
+    assert main(["precompile", "gemm", "--arch", "sm_100a", "--jobs", "1"]) == 0
+    assert "B200" in capsys.readouterr().out
+    assert main(["emit", "gemm", "--arch", "sm_100a", "--gpu", "H200"]) == 2
+    assert "runs sm_90a kernels, not sm_100a" in capsys.readouterr().err
