@@ -261,7 +261,7 @@ def test_inspect_shows_sass_and_register_report(capsys, tmp_path):
     (["emit", "gemm", "--tile", "96x96"], ["tile 96x96 is not supported", "128x256", "64x128"]),
     (["emit", "gemm", "--cluster", "4x4"], ["cluster 4x4 is not supported", "2x1"]),
     (["emit", "gemm", "--arch", "sm_120a"], ["arch 'sm_120a' is not supported", "sm_90a"]),
-    (["emit", "gemm", "--arch", "sm_100a"], ["GPU 'H200' runs sm_90a kernels, not sm_100a", "B200"]),
+    (["emit", "gemm", "--arch", "sm_100a", "--gpu", "H200"], ["GPU 'H200' runs sm_90a kernels, not sm_100a", "B200"]),
     (["emit", "gemm", "--gpu", "A100"], ["GPU 'A100'", "H200"]),
     (["emit", "gemm", "--dtype", "f32"], ["input dtype 'f32'"]),
     (["emit", "gemm", "--majors", "nk"], ["majors 'nk'"]),
