@@ -38,7 +38,7 @@ from . import reference
 from .arguments import Problem, _aligned, _row_stride_ok, bind, check_kernel_arguments, check_outputs
 from .arguments import TORCH_DTYPES, short_dtype
 from .backends.registry import BACKENDS, backend
-from .config import DEFAULT_SWIZZLE, GPU_ARCHS, GPUS, KernelConfig
+from .config import DEFAULT_GPUS, DEFAULT_SWIZZLE, GPU_ARCHS, GPUS, KernelConfig
 from .errors import ArgumentError, ProgramError, UnsupportedError
 from .lower import fits_shared_memory, lower, tables_in_segment_reductions
 from .primitives import check_scalar
@@ -77,13 +77,18 @@ class Kernel:
     ``cache.TUNE_BUDGET_S`` seconds in all; outputs go to scratch tensors, so operands an op
     writes over are not touched) and runs the fastest from then on, in this process and, through
     the disk cache, in later ones.  It chooses tile, cluster and schedule, so it takes none of
-    them; CPU calls ignore it."""
+    them; CPU calls ignore it.
+
+    ``arch`` (default: that of the GPU named by ``gpu``, else the device's; on the CPU sm_90a):
+    the kernels' target, ``"sm_90a"`` or ``"sm_100a"`` (Blackwell: compile-verified only, see
+    the README's limits).  A GPU call refuses a device of another arch before anything launches;
+    a CPU call is checked against that arch's kernel (what it refuses, the CPU refuses too)."""
 
     def __init__(self, program: Program, *, tile: tuple[int, int] | None = None,
                  cluster: tuple[int, int] | None = None, schedule: str | None = None, gpu: str | None = None,
                  ab_stages: int = 0, epi_stages: int = 0, in_stages: int = 0,
                  raster_along_m: bool = True, swizzle: int = DEFAULT_SWIZZLE, stage_tables: bool | None = None,
-                 strict: bool = True, autotune: bool = False):
+                 strict: bool = True, autotune: bool = False, arch: str | None = None):
         if not isinstance(program, Program):
             raise ProgramError(f"Kernel needs a coda_cute Program (@coda_cute.epilogue), got {type(program).__name__}")
         if stage_tables not in (None, True, False) or type(strict) is not bool or type(autotune) is not bool:
@@ -93,7 +98,9 @@ class Kernel:
             raise UnsupportedError("autotune=True chooses the tile, cluster and schedule by timing them: leave "
                                    f"them unset (got tile={tile}, cluster={cluster}, schedule={schedule})")
         self.autotune = autotune
-        _check_settings(tile, cluster, schedule, gpu, ab_stages, epi_stages, in_stages, raster_along_m, swizzle)
+        _check_settings(tile, cluster, schedule, gpu, ab_stages, epi_stages, in_stages, raster_along_m, swizzle,
+                        arch)
+        self.arch = arch if arch is not None else GPU_ARCHS[gpu] if gpu is not None else None
         self.program, self.strict = program, strict
         self.tile, self.cluster, self.schedule, self.gpu = tile, cluster, schedule, gpu
         # mainloop stages and epilogue ring depths; 0: planned from the shared memory (KernelConfig)
@@ -118,17 +125,19 @@ class Kernel:
         )
         table_periods = tuple((op.name, int(problem.operands[op.name].shape[1]))
                               for op in self.program.operands if op.kind == "table")
+        # the arch asked for, or the one of the GPU named, or of the device (CPU: Hopper's)
+        arch = self.arch or (device_arch(a.device) if a.is_cuda else KernelConfig.arch)
         tile, cluster, schedule = fill_config(self.program, problem.m, problem.n, self.tile, self.cluster,
-                                              self.schedule)
+                                              self.schedule, arch)
         staged = self.stage_tables is not False and any(op.kind == "table" for op in self.program.operands)
         if staged:
             reason = stageable_tables(self.program, problem, tile[0])
             if reason and self.stage_tables:
                 raise ArgumentError(f"{reason} (or stage_tables=False: gathered)")
             staged = reason is None
-        gpu = self.gpu or (gpu_model(a.device) if a.is_cuda else KernelConfig.gpu)
+        gpu = self.gpu or (gpu_model(a.device, arch) if a.is_cuda else DEFAULT_GPUS[arch])
         config = KernelConfig(
-            gpu=gpu, dtype=short_dtype(a.dtype), majors=majors,
+            arch=arch, gpu=gpu, dtype=short_dtype(a.dtype), majors=majors,
             tile=tuple(tile), cluster=tuple(cluster), schedule=schedule,
             ab_stages=self.ab_stages, epi_stages=self.epi_stages, in_stages=self.in_stages,
             raster_along_m=self.raster_along_m, swizzle=self.swizzle,
@@ -336,6 +345,16 @@ def _package(program: Program, outputs: dict, partials: dict | None):
     return outputs
 
 
+def device_arch(device: torch.device) -> str:
+    """The arch whose kernels a CUDA device runs (its compute capability's backend)."""
+    props = torch.cuda.get_device_properties(device)
+    for arch, target in BACKENDS.items():
+        if (props.major, props.minor) == target.capability:
+            return arch
+    known = ", ".join(f"{t.arch} ({t.generation})" for t in BACKENDS.values())
+    raise UnsupportedError(f"{props.name} is sm_{props.major}{props.minor}; coda-cute kernels target {known}")
+
+
 def gpu_model(device: torch.device, arch: str = KernelConfig.arch) -> str:
     """Map the CUDA device name to a KernelConfig GPU (the SM count is baked into kernels), for
     kernels of ``arch``: the device must have its backend's compute capability."""
@@ -355,11 +374,16 @@ def gpu_model(device: torch.device, arch: str = KernelConfig.arch) -> str:
                            f"{target.generation} GPU")
 
 
-def fill_config(program: Program, m: int, n: int, tile=None, cluster=None, schedule=None) -> tuple:
+def fill_config(program: Program, m: int, n: int, tile=None, cluster=None, schedule=None,
+                arch: str = KernelConfig.arch) -> tuple:
     """(tile, cluster, schedule) with what the caller left out (None) filled by the defaults for
     an M x N output: a tile alone runs cooperative, a schedule alone gets that schedule's default
-    tile, a missing cluster follows the default cluster rule.  `Kernel` fills its configs here,
-    the CLI through ``runtime_defaults``."""
+    tile, a missing cluster follows the default cluster rule.  An arch whose backend has defaults
+    of its own (``Backend.defaults``) fills from those.  `Kernel` fills its configs here, the CLI
+    through ``runtime_defaults``."""
+    fixed = backend(arch).defaults if arch in BACKENDS else None
+    if fixed is not None:
+        return tuple(tile or fixed[0]), tuple(cluster or fixed[1]), schedule or fixed[2]
     if tile is not None and schedule is None:
         schedule = "cooperative"
     default = default_tile(program, m, n, schedule)
@@ -372,10 +396,7 @@ def runtime_defaults(program: Program, tile=None, cluster=None, schedule=None,
     with the ones given kept and the rest filled as ``Kernel`` fills them: what ``coda-cute emit``,
     ``inspect`` and ``precompile`` build when their flags leave them out.  An arch whose backend
     has defaults of its own (``Backend.defaults``) fills from those."""
-    fixed = backend(arch).defaults if arch in BACKENDS else None
-    if fixed is not None:
-        return tuple(tile or fixed[0]), tuple(cluster or fixed[1]), schedule or fixed[2]
-    tile, cluster, schedule = fill_config(program, 8192, 8192, tile, cluster, schedule)
+    tile, cluster, schedule = fill_config(program, 8192, 8192, tile, cluster, schedule, arch)
     return tuple(tile), tuple(cluster), schedule
 
 
@@ -416,13 +437,19 @@ def _heavy_epilogue(program) -> bool:
 
 
 # ----------------------------------------------------------------------------- checks
-def _check_settings(tile, cluster, schedule, gpu, ab_stages, epi_stages, in_stages, raster_along_m, swizzle) -> None:
+def _check_settings(tile, cluster, schedule, gpu, ab_stages, epi_stages, in_stages, raster_along_m, swizzle,
+                    arch=None) -> None:
     """Refuse a Kernel setting no call could build, when the Kernel is made (not at its first
     call, and on the CPU as on the GPU): the fields given are checked as a KernelConfig would."""
+    if arch is not None and arch not in DEFAULT_GPUS:
+        raise UnsupportedError(f"arch {arch!r} is not supported; supported: {', '.join(DEFAULT_GPUS)}")
+    if gpu is not None and gpu not in GPUS:
+        raise UnsupportedError(f"GPU {gpu!r} is unknown; known: {', '.join(GPUS)}")
+    arch = arch or (GPU_ARCHS[gpu] if gpu is not None else KernelConfig.arch)
     probe_tile = tile if tile is not None else (128, 128)
-    KernelConfig(tile=probe_tile, cluster=cluster if cluster is not None else (1, 1),
+    KernelConfig(arch=arch, tile=probe_tile, cluster=cluster if cluster is not None else (1, 1),
                  schedule=schedule if schedule is not None else "cooperative",
-                 gpu=gpu if gpu is not None else KernelConfig.gpu, ab_stages=ab_stages, epi_stages=epi_stages,
+                 gpu=gpu if gpu is not None else DEFAULT_GPUS[arch], ab_stages=ab_stages, epi_stages=epi_stages,
                  in_stages=in_stages, raster_along_m=raster_along_m, swizzle=swizzle).check()
 
 

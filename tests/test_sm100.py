@@ -199,3 +199,37 @@ def test_cli_builds_for_sm_100a_with_its_gpu_by_default(tmp_path, capsys, monkey
     assert "B200" in capsys.readouterr().out
     assert main(["emit", "gemm", "--arch", "sm_100a", "--gpu", "H200"]) == 2
     assert "runs sm_90a kernels, not sm_100a" in capsys.readouterr().err
+
+
+@cc.epilogue
+def segment_mean(acc):
+    """Each value less its 32-column segment's mean (a segment reduction)."""
+    return acc - cc.row_sum(acc, segment=32) / 32.0
+
+
+def test_kernel_takes_an_arch_and_checks_cpu_calls_against_its_kernel(gen, monkeypatch):
+    """Kernel(program, arch="sm_100a") (or gpu="B200"): CPU calls run the reference and refuse
+    what the sm_100a kernel cannot do; the device's arch is the default on the GPU."""
+    import torch
+
+    from coda_cute.runtime import Kernel, device_arch
+
+    a, b = torch.randn(16, 64, generator=gen).bfloat16(), torch.randn(32, 64, generator=gen).bfloat16()
+    for kernel in (Kernel(library.get("gemm"), arch="sm_100a"), Kernel(library.get("gemm"), gpu="B200")):
+        torch.testing.assert_close(kernel(a, b).float(), (a.float() @ b.float().t()).bfloat16().float())
+        assert (kernel.last.config.arch, kernel.last.config.gpu) == ("sm_100a", "B200")
+    with pytest.raises(UnsupportedError, match="segment reductions are not lowered to sm_100a"):
+        Kernel(segment_mean, arch="sm_100a")(a, b)
+    with pytest.raises(UnsupportedError, match="runs sm_90a kernels, not sm_100a"):
+        Kernel(library.get("gemm"), arch="sm_100a", gpu="H200")
+    with pytest.raises(UnsupportedError, match="arch 'sm_99a' is not supported"):
+        Kernel(library.get("gemm"), arch="sm_99a")
+
+    class Props:
+        name, major, minor, multi_processor_count = "NVIDIA B200", 10, 0, 148
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    assert device_arch(torch.device("cuda")) == "sm_100a"
+    Props.major = 8
+    with pytest.raises(UnsupportedError, match="sm_80; coda-cute kernels target sm_90a .*sm_100a"):
+        device_arch(torch.device("cuda"))
