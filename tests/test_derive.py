@@ -256,3 +256,13 @@ def test_every_op_with_a_number_result_has_a_derivative_rule():
 
     missing = [n for n, op in ELEMENTWISE.items() if op.typing not in NO_GRADIENT and op.derivative is None]
     assert not missing, f"ops without a derivative rule in primitives.py: {missing}"
+
+
+def test_rebuild_output_is_for_an_upstream_accumulator():
+    with pytest.raises(cc.ProgramError, match="rebuild_output=True is for accumulator='upstream'"):
+        derive(library.get("swiglu"), accumulator="recompute", rebuild_output=True)
+    with pytest.raises(cc.ProgramError, match="rebuild_output=True is for accumulator='upstream'"):
+        derive(library.get("swiglu"), rebuild_output="yes")
+    rebuilt = derive(library.get("swiglu_save"), outputs=["D"], rebuild_output=True)
+    assert rebuilt.recomputed == "D_recomputed"
+    assert derive(library.get("swiglu_save"), outputs=["D"]).recomputed is None
