@@ -1,6 +1,7 @@
 """Blackwell (sm_100a): every library program either cross-compiles for sm_100a on this
 (GPU-less) machine, with the SASS of the kernel we meant to build (tcgen05 MMAs, TMEM loads, TMA
-loads and stores, no WGMMA, no spills, a finishing kernel exactly where it reduces), or is
+loads and stores, no WGMMA, no spills, a finishing kernel exactly where it reduces, shuffles
+exactly where it reduces columns), or is
 refused with an UnsupportedError naming sm_100a and what it lacks.  These kernels are
 compile-verified only: none has run on a Blackwell GPU."""
 
@@ -20,14 +21,11 @@ from coda_cute.runtime import runtime_defaults
 BLACKWELL = KernelConfig(arch="sm_100a", gpu="B200", tile=(128, 256), cluster=(1, 1))
 TILES = {"128x256": (128, 256), "128x128": (128, 128)}
 # what this slice refuses, and the words its refusal names
-REFUSED = {"alpha_beta": "tile inputs", "gemm_accumulate": "tile inputs", "residual_sumsq": "tile inputs",
-           "rmsnorm_bwd": "tile inputs", "rmsnorm_bwd_residual": "tile inputs",
-           "rmsnorm_bwd_rowdot": "tile inputs", "swiglu_bwd": "tile inputs",
-           "swiglu_bwd_recompute": "tile inputs", "rope_qkv": "tables", "rms_rope_qkv": "tables",
-           "qk_rmsnorm": "segment reductions"}
+REFUSED = {"rope_qkv": "tables", "rms_rope_qkv": "tables", "qk_rmsnorm": "segment reductions"}
 # random compositions (tests/random_programs.py) in the slice: N/2 and N outputs, row max,
-# maxabs, logsumexp, sum and sumsq
-RANDOM_SEEDS = (7, 11, 13, 14, 52, 59)
+# maxabs, logsumexp, sum and sumsq; N-wide tile inputs with column maxabs (0) and max (4), and
+# a column max alone (17)
+RANDOM_SEEDS = (7, 11, 13, 14, 52, 59, 0, 4, 17)
 
 
 def _wide_output():
@@ -42,8 +40,14 @@ def _wide_output():
 
 def _check_sass(name, program, compiled):
     sass = compiled.artifacts["sass"].read_text()
-    ops = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("UTCHMMA", "LDTM", "UTMALDG", "UTMASTG", "HGMMA")}
+    ops = {op: len(re.findall(rf"\b{op}\b", sass))
+           for op in ("UTCHMMA", "LDTM", "UTMALDG", "UTMASTG", "HGMMA", "SHFL")}
     assert ops["UTCHMMA"] > 0 and ops["LDTM"] > 0 and ops["UTMALDG"] > 0, f"{name}: {ops}"
+    read = {node.attrs[0] for node in program.nodes if node.op == "load"}
+    tile_inputs = [op for op in program.operands if op.kind == "tile" and op.name in read]
+    assert ops["UTMALDG"] >= 2 + len(tile_inputs), f"{name}: a TMA load for A, B and each tile input: {ops}"
+    col_reductions = [out for out in program.reductions if out.axis == "col"]
+    assert (ops["SHFL"] > 0) == bool(col_reductions), f"{name}: shuffles exactly where it reduces columns: {ops}"
     assert ops["HGMMA"] == 0, f"{name}: Hopper's WGMMA in an sm_100a kernel"
     assert (ops["UTMASTG"] > 0) == bool(program.tile_outputs), f"{name}: TMA stores exactly where it stores tiles"
     assert compiled.spill_bytes == 0 and "LDL" not in sass and "STL" not in sass, f"{name}: spills"
@@ -90,12 +94,56 @@ def test_sm100_refuses_what_this_slice_does_not_build():
         with pytest.raises(UnsupportedError, match=words):
             lower(gemm, config)
 
-    @cc.epilogue
-    def col_sum(acc):
-        return {"D": acc, "s": cc.col_sum(acc)}
+    residual = library.get("residual_sumsq")
+    with pytest.raises(UnsupportedError, match="in_stages 3: input rings must divide the tile's 8 subtiles"):
+        lower(residual, BLACKWELL.with_(in_stages=3))
+    with pytest.raises(UnsupportedError, match="in_stages 2: program 'gemm' has no tile inputs"):
+        lower(gemm, BLACKWELL.with_(in_stages=2))
+    with pytest.raises(UnsupportedError, match="8 mainloop stages do not fit"):
+        lower(residual, BLACKWELL.with_(ab_stages=8))
 
-    with pytest.raises(UnsupportedError, match="column reductions are not lowered to sm_100a"):
-        lower(col_sum, BLACKWELL)
+
+def test_sm100_plans_input_rings_beside_the_mainloop_stages():
+    """Input rings 4 deep where 4 mainloop stages still fit, else 2; the rest goes to the mainloop."""
+    for name, tile, stages in (("residual_sumsq", (128, 256), (4, 2, 2)), ("residual_sumsq", (128, 128), (5, 2, 4)),
+                               ("rmsnorm_bwd_residual", (128, 256), (3, 2, 2)),
+                               ("swiglu_bwd_recompute", (128, 256), (3, 2, 2)), ("gemm", (128, 256), (4, 2, 0))):
+        cfg = lower(library.get(name), BLACKWELL.with_(tile=tile)).cfg
+        assert (cfg["ab_stages"], cfg["epi_stages"], cfg["in_stages"]) == stages, (name, tile)
+    cfg = lower(library.get("residual_sumsq"), BLACKWELL.with_(in_stages=8)).cfg
+    assert (cfg["in_stages"], cfg["ab_stages"]) == (8, 3)
+
+
+@pytest.mark.parametrize("kind", ["sum", "sumsq", "max", "maxabs"])
+@pytest.mark.parametrize("offset", ["", "(TILE_THREADS // 32) * EPI_N"])
+def test_the_column_exchange_sums_each_column_over_a_warp(kind, offset):
+    """Run the generated lane exchange on CPU stand-ins: 128 threads in lockstep, each value a
+    numpy array over the threads, shuffle_sync_bfly a permutation within each warp.  Thread t
+    holds row t of a subtile, its value i column i; afterwards col_scratch[offset + 32 w + c]
+    must hold warp w's total over its 32 rows of column c."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    lines = backend("sm_100a").column_exchange(kind, "red_x", 32, offset)
+    code = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+    threads, epi_n = 128, 32
+    ctidx = np.arange(threads)
+    values = np.random.default_rng(5).standard_normal((threads, epi_n))  # [row, column]
+    namespace = dict(
+        ctidx=ctidx, EPI_N=epi_n, TILE_THREADS=threads, red_x=[values[:, i].copy() for i in range(epi_n)],
+        col_scratch=np.full(2 * threads, np.nan), where=np.where,
+        cutlass=SimpleNamespace(range_constexpr=range),
+        cute=SimpleNamespace(arch=SimpleNamespace(shuffle_sync_bfly=lambda x, offset: x[ctidx ^ offset]),
+                             math=SimpleNamespace(max=np.maximum)),
+    )
+    exec(code, namespace)
+    start = threads if offset else 0
+    fold = {"sum": np.sum, "sumsq": np.sum, "max": np.max, "maxabs": np.max}[kind]
+    for warp in range(threads // 32):
+        expected = fold(values[32 * warp:32 * warp + 32], axis=0)
+        got = namespace["col_scratch"][start + warp * epi_n:start + (warp + 1) * epi_n]
+        np.testing.assert_allclose(got, expected, rtol=1e-12, err_msg=f"warp {warp}")
 
 
 def test_an_sm100_config_needs_a_blackwell_gpu_and_hopper_keeps_its_defaults():
@@ -127,7 +175,8 @@ def test_a_hopper_gpu_is_refused_for_sm100_kernels(monkeypatch):
 
 
 def test_the_emitted_sm100_module_reads_like_hopper_one():
-    for name in ("gemm", "cross_entropy_stats_save", "swiglu_save", "rms_scale_gamma"):
+    for name in ("gemm", "cross_entropy_stats_save", "swiglu_save", "rms_scale_gamma", "alpha_beta",
+                 "rmsnorm_bwd_residual", "swiglu_bwd_recompute"):
         source = emit(library.get(name), BLACKWELL)
         assert all(len(line) <= 100 for line in source.splitlines()), name
         assert "--arch sm_100a --gpu B200" in source and "Compile-verified for sm_100a" in source
@@ -135,6 +184,14 @@ def test_the_emitted_sm100_module_reads_like_hopper_one():
     row_sums = emit(library.get("cross_entropy_stats"), BLACKWELL)
     assert "shuffle" not in row_sums  # a thread holds whole rows: no exchange
     assert "part_lse[(0, tile_n, row)] = row_max" in row_sums
+    # tile inputs: a seventh warp loads them; the epilogue waits for each subtile and frees it
+    residual = emit(library.get("residual_sumsq"), BLACKWELL)
+    assert "EPI_LOAD_WARP = 6" in residual and "NUM_THREADS = 32 * 7" in residual
+    assert "epi_load_pipeline.consumer_wait(in_state)" in residual
+    assert "epi_load_pipeline.consumer_release(in_state)" in residual
+    assert "EPI_LOAD_WARP" not in emit(library.get("gemm"), BLACKWELL)
+    dgamma = emit(library.get("rmsnorm_bwd"), BLACKWELL)
+    assert "col_scratch[(ctidx // 32) * EPI_N + ctidx % 32] = red_dgamma[0]" in dgamma
 
 
 def test_cli_emits_for_sm100(tmp_path, capsys):

@@ -11,8 +11,15 @@ The fragment scheme.  The epilogue reads the accumulator a 128 x 32 subtile at a
 (tcgen05.ld 32x32b, 32 repetitions): thread t of the 128 epilogue threads holds row t, its
 register i column 32 s + i of subtile s.  The pair loop's step k reads registers 2k and 2k + 1
 (``acc[slot0]``, ``acc[slot1]``), two adjacent columns of one row.  A thread holds whole rows,
-so row reductions need no exchange: each thread writes its row's partial.  No column is held
-by one thread, so column reductions would need a scratch exchange this slice does not build.
+so row reductions need no exchange: each thread writes its row's partial.  A column is spread
+over all 128 threads: a column reduction folds each subtile's 32 per-thread values over the 32
+lanes of a warp with halving exchanges (lane l ends with the warp's total of column l), parks
+the four warps' totals in ``col_scratch``, and the first 32 threads add them up.
+
+Tile inputs.  A seventh warp (EPI_LOAD_WARP) loads each subtile of every tile input with TMA
+into its smem ring (IN_STAGES deep), running ahead of the epilogue; an epilogue thread reads
+its row of the subtile from there (N-wide 16-bit inputs copied to registers first, laid out as
+the TMEM load lays out the accumulator).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Callable
 from ..config import SMEM_BYTES, KernelConfig
 from ..errors import UnsupportedError
 from ..program import Program
+from ..spelling import combine
 from . import Backend
 from . import sm90
 
@@ -31,6 +39,10 @@ ACC_STAGES = 2  # accumulators in TMEM: the epilogue of one tile overlaps the ne
 TMEM_COLUMNS = 512  # a CTA's tensor memory: 128 lanes x 512 32-bit columns
 TILES = ((128, 256), (128, 128))  # 128-row tiles (one CTA, cta_group 1), as compiled and tested
 AB_STAGES_MAX = 8
+# mainloop stages an input ring deeper than the output rings must leave (unmeasured: no B200 yet;
+# Hopper wants 4 too)
+AB_STAGES_WANTED = 4
+IN_STAGES_CHOICES = (4, 2)  # input ring depths, preferred first (each must divide the subtiles)
 
 
 class SM100(Backend):
@@ -57,9 +69,13 @@ class SM100(Backend):
         return dict(acc_stages=ACC_STAGES, tmem_columns=TMEM_COLUMNS)
 
     def plan_smem(self, program: Program, config: KernelConfig, declare: Callable) -> tuple:
+        """Subtiles of EPI_N columns; output rings config.epi_stages deep (2 if not given); input
+        rings config.in_stages deep, else the deepest of IN_STAGES_CHOICES that leaves
+        AB_STAGES_WANTED mainloop stages (else the shallowest); then as many mainloop stages as
+        the rest of the shared memory holds, up to AB_STAGES_MAX (or exactly config.ab_stages)."""
         check_supported(program, config)
         ctx = declare(EPI_N)
-        too_narrow = [t for t in ctx.tile_outputs if t["cols"] * sm90.DTYPE_BYTES[t["dtype"]] < 16]
+        too_narrow = [t for t in ctx.tile_outputs + ctx.tile_inputs if t["cols"] * sm90.DTYPE_BYTES[t["dtype"]] < 16]
         if too_narrow:
             raise UnsupportedError(f"{too_narrow[0]['label']}: a {too_narrow[0]['cols']}-column subtile row is "
                                    "under TMA's 16 bytes")
@@ -68,15 +84,29 @@ class SM100(Backend):
         if subtiles % epi_stages:
             raise UnsupportedError(f"epi_stages {epi_stages}: output rings must divide the tile's {subtiles} "
                                    f"subtiles on {self.arch}")
+        if config.in_stages and not ctx.tile_inputs:
+            raise UnsupportedError(f"in_stages {config.in_stages}: program {program.name!r} has no tile inputs "
+                                   "to load")
+        if config.in_stages and subtiles % config.in_stages:
+            raise UnsupportedError(f"in_stages {config.in_stages}: input rings must divide the tile's {subtiles} "
+                                   f"subtiles on {self.arch}")
+        if not ctx.tile_inputs:
+            depths = [0]
+        else:
+            depths = [config.in_stages] if config.in_stages else [d for d in IN_STAGES_CHOICES if subtiles % d == 0]
         ab_bytes = (config.tile[0] + config.tile[1]) * 64 * 2
-        room = min((SMEM_BYTES[config.arch] - self.smem_bytes(ctx, epi_stages, 0, 0)) // ab_bytes, AB_STAGES_MAX)
+        for in_stages in depths:
+            room = min((SMEM_BYTES[config.arch] - self.smem_bytes(ctx, epi_stages, in_stages, 0)) // ab_bytes,
+                       AB_STAGES_MAX)
+            if room >= (config.ab_stages or AB_STAGES_WANTED):
+                break
         ab_stages = config.ab_stages or room
         if ab_stages > room or ab_stages < 2:
             raise UnsupportedError(
                 f"program {program.name!r} with tile {config.tile[0]}x{config.tile[1]}: {ab_stages} mainloop stages "
                 f"do not fit beside its epilogue rings in {config.arch}'s shared memory (room for {room})"
             )
-        return ctx, epi_stages, 0, ab_stages
+        return ctx, epi_stages, in_stages, ab_stages
 
     def smem_bytes(self, ctx, epi_stages: int, in_stages: int, ab_stages: int) -> int:
         # the barriers and TMEM address fit the first 1024 bytes, as Hopper's barriers do; the
@@ -105,10 +135,10 @@ class SM100(Backend):
         raise UnsupportedError(f"segment reductions are not lowered to {self.arch} yet")
 
     def column_slot(self, reg: str, lane: int) -> str:
-        raise UnsupportedError(f"column reductions are not lowered to {self.arch} yet")
+        return f"{reg}[slot{lane}]"  # register i holds column EPI_N * subtile + i, as acc does
 
     def column_exchange(self, kind: str, reg: str, epi_n: int, offset: str = "") -> list[str]:
-        raise UnsupportedError(f"column reductions are not lowered to {self.arch} yet")
+        return lane_column_exchange(kind, reg, epi_n, offset)
 
     def table_gather(self, tables: list[dict], slot: Callable, read: Callable) -> list[str]:
         if tables:
@@ -130,16 +160,40 @@ def check_supported(program: Program, config: KernelConfig) -> None:
                                "kernel runs the epilogue beside the MMAs already (use cooperative)")
     if ACC_STAGES * config.tile[1] > TMEM_COLUMNS:
         raise UnsupportedError(f"tile {config.tile}: {ACC_STAGES} accumulators exceed {TMEM_COLUMNS} TMEM columns")
-    if config.in_stages:
-        raise UnsupportedError(f"in_stages {config.in_stages}: {arch} kernels load no tile inputs yet")
     for op in program.operands:
-        if op.kind == "tile":
-            raise UnsupportedError(f"operand {op.name!r}: tile inputs are not lowered to {arch} yet")
         if op.kind == "table":
             raise UnsupportedError(f"operand {op.name!r}: tables are not lowered to {arch} yet")
-    for out in program.reductions:
-        if out.axis == "col":
-            raise UnsupportedError(f"output {out.name!r}: column reductions are not lowered to {arch} yet")
     for node in program.nodes:
         if node.op == "segreduce":
             raise UnsupportedError(f"{node.describe()}: segment reductions are not lowered to {arch} yet")
+
+
+def lane_column_exchange(kind: str, reg: str, epi_n: int, offset: str = "") -> list[str]:
+    """Lines that fold a subtile's column values (`reg`: EPI_N per thread, value i for column i of
+    the subtile, of this thread's row) over the 32 lanes of each warp and store each column's warp
+    total in `col_scratch`, from `offset` (an expression; "" for its start).
+
+    Each exchange halves what a thread holds: lanes `step` apart split the values, each keeps one
+    half (the upper lane the upper half, moved down), folds in its partner's copy of that half and
+    hands over the other.  With 32 values that is 16 + 8 + 4 + 2 + 1 shuffles instead of 32 x 5;
+    afterwards value 0 of lane l holds the warp's total of column l (bit b of l picked the upper
+    half at the exchange of lanes 2^b apart)."""
+    assert epi_n == 32, "one column per lane of a warp"
+    lines, kept = [], epi_n
+    for step in (16, 8, 4, 2, 1):
+        kept //= 2
+        mine = f"where(upper, {reg}[k + {kept}], {reg}[k])" if kept > 1 else f"where(upper, {reg}[1], {reg}[0])"
+        theirs = f"where(upper, {reg}[k], {reg}[k + {kept}])" if kept > 1 else f"where(upper, {reg}[0], {reg}[1])"
+        fold = combine(kind, "mine", f"cute.arch.shuffle_sync_bfly(theirs, offset={step})")
+        if kept > 1:
+            lines += [f"# lanes {step} apart: the lower keeps values 0-{kept - 1}, the upper {kept}-{2 * kept - 1}",
+                      f"upper = (ctidx & {step}) != 0",
+                      f"for k in cutlass.range_constexpr({kept}):",
+                      f"    mine = {mine}", f"    theirs = {theirs}", f"    {reg}[k] = {fold}"]
+        else:
+            lines += [f"# lanes {step} apart: the lower keeps value 0, the upper value 1",
+                      f"upper = (ctidx & {step}) != 0",
+                      f"mine = {mine}", f"theirs = {theirs}", f"{reg}[0] = {fold}"]
+    start = offset + " + " if offset else ""
+    return lines + ["# lane l holds its warp's total of the subtile's column l",
+                    f"col_scratch[{start}(ctidx // 32) * EPI_N + ctidx % 32] = {reg}[0]"]
