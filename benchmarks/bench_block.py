@@ -519,7 +519,8 @@ def peak_live(contender: Contender, top: int = 10) -> list[list]:
             peak, at_peak = total, dict(live)
     sites: dict[str, int] = {}
     for event in at_peak.values():
-        sites[_site(event.get("frames") or [])] = sites.get(_site(event.get("frames") or []), 0) + event["size"]
+        where = _site(event.get("frames") or [])
+        sites[where] = sites.get(where, 0) + event["size"]
     ranked = sorted(sites.items(), key=lambda kv: -kv[1])
     return [[size / 2 ** 30, where] for where, size in ranked[:top]]
 

@@ -12,6 +12,7 @@ from coda_cute.errors import UnsupportedError
 from coda_cute.lower import lower
 
 from random_programs import random_programs
+from test_compile import _lowerable
 from test_gpu_kernels import SHAPES, run_and_compare
 
 
@@ -24,15 +25,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _blackwell(), reason="need
 TILES = [(128, 256), (128, 128)]
 
 
+BLACKWELL = KernelConfig(arch="sm_100a", gpu="B200", tile=TILES[0], cluster=(1, 1))
+
+
 def _builds(program) -> bool:
     try:
-        lower(program, KernelConfig(arch="sm_100a", gpu="B200", tile=TILES[0], cluster=(1, 1)))
+        lower(program, BLACKWELL)
         return True
     except UnsupportedError:
         return False
 
 
-LIBRARY = [name for name, program in library.programs().items() if _builds(program)]
+LIBRARY = _lowerable(BLACKWELL)
 RANDOM = [program for program in random_programs(40) if _builds(program)][:8]
 
 
