@@ -17,6 +17,15 @@ def residual_sumsq(acc, residual: cc.Tile):
 
 
 @cc.epilogue
+def residual_sumsq_scaled(acc, residual: cc.Tile, gamma: cc.ColVec):
+    """residual_sumsq, and h * gamma: the next RMSNorm's scale applied to the next GEMM's input
+    here, where h passes anyway, so no separate pass scales it (the norm's rstd goes into that
+    GEMM's epilogue)."""
+    h = (acc + residual).to(cc.input_dtype)
+    return {"D": h, "sumsq": cc.row_sumsq(h), "scaled": (h * gamma).to(cc.input_dtype)}
+
+
+@cc.epilogue
 def rms_scale(acc, rstd: cc.RowVec):
     """D = rstd[row] * (A @ (W * gamma).T): RMSNorm applied after the GEMM, gamma folded into W."""
     return acc * rstd
