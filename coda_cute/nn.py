@@ -8,9 +8,12 @@ rewritten as two GEMMs whose epilogues do everything else (CODA):
 
 forward
   1. rstd = rsqrt(sumsq / d + eps) per row, from the `sumsq` the previous block's
-     residual GEMM produced (for the first block: one small torch reduction over h);
-  2. gamma scales K, so it is folded into the smaller GEMM operand: W_gate_up * gamma, or
-     h * gamma when there are fewer tokens than 2 * ffn (refolded every call, so it trains);
+     residual GEMM produced (without one: a single compiled pass over h gives rstd and
+     h * gamma together, `rms_statistics`);
+  2. gamma scales K, so it goes into one GEMM operand, redone every call so that it trains:
+     in ``LlamaBlock`` the attention's O projection stores h * gamma beside h in its epilogue
+     (`residual_sumsq_scaled`); standing alone, the smaller of h * gamma and W_gate_up * gamma
+     (`_norm_operands`);
   3. `rms_swiglu_save`: z = rstd * ((h * gamma) @ W_gate_up.T), a = silu(gate) * up; z is saved;
   4. `residual_sumsq`: h_out = h + a @ W_down.T, plus sum(h_out^2) per row for the next norm.
 backward (dh_out)
@@ -32,7 +35,7 @@ through ``torch.matmul``: coda-cute's own plain GEMM runs at 0.97-1.01x cuBLAS o
 ``LlamaAttention`` does the same for the attention half: `rms_rope_qkv` (norm scale and
 RoPE in the QKV GEMM's epilogue; q/k weight rows in interleaved-pair order, see
 ``rotate_half_to_interleaved``), PyTorch SDPA for attention itself, and `residual_sumsq`
-for the O projection; q, k and v are views of the one buffer the QKV GEMM wrote.  RoPE's
+for the O projection (`residual_sumsq_scaled` in a block, see step 2); q, k and v are views of the one buffer the QKV GEMM wrote.  RoPE's
 backward (the inverse rotation of dq, dk) acts on the QKV dgrad's *input*: `qkv_gradient`
 rotates dq and dk back and lays dq, dk, dv out as that GEMM's input in one compiled pass
 (no concatenation), taking the norm's row statistic sum(dq * q + dk * k + dv * v) on the way
@@ -89,7 +92,7 @@ def _heads(w: torch.Tensor, head_dim: int) -> int:
 
 # registered at import, so torch.compile traces straight to the ops (no file access while tracing)
 _OPS = {name: library_op(library.get(name))
-        for name in ("rms_swiglu_save", "residual_sumsq", "rmsnorm_bwd_rowdot", "cross_entropy_stats",
+        for name in ("rms_swiglu_save", "residual_sumsq", "residual_sumsq_scaled", "rmsnorm_bwd_rowdot", "cross_entropy_stats",
                      "cross_entropy_stats_save", "cross_entropy_bwd")}
 # the pre-activation's gradient written over the saved pre-activation (ops.library_op): one
 # tokens x 2 ffn buffer instead of two through the backward
@@ -99,11 +102,12 @@ _OPS["gemm_accumulate"] = library_op(library.get("gemm_accumulate"), overwrite={
 
 class _LlamaMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, sumsq, gamma, w_gate_up, w_down, eps):
+    def forward(ctx, h, sumsq, gamma, w_gate_up, w_down, eps, scaled):
         ops = _OPS
         h2 = h.reshape(-1, h.shape[-1])
-        rstd = _rstd(h2, sumsq, eps)
-        a, z = ops["rms_swiglu_save"](*_fold_gamma(h2, w_gate_up, gamma), rstd)
+        scaled = None if scaled is None else scaled.reshape(h2.shape)
+        a_in, b_in, rstd = _norm_operands(h2, sumsq, gamma, w_gate_up, eps, scaled)
+        a, z = ops["rms_swiglu_save"](a_in, b_in, rstd)
         h_out, sumsq_out = ops["residual_sumsq"](a, w_down, h2)
         ctx.save_for_backward(h2, rstd, z, gamma, w_gate_up, w_down)
         ctx.shape = h.shape
@@ -120,7 +124,7 @@ class _LlamaMLPFunction(torch.autograd.Function):
         dw_down = dy.t() @ a  # plain GEMM: cuBLAS (module docstring)
         del a  # before the dgrad's outputs are allocated: the backward's peak memory
         dh, dgamma, dw_gate_up = _rmsnorm_backward(ops, z, w_gate_up, h, rstd, gamma, dy, rowdot)
-        return dh.to(dh_out.dtype).reshape(ctx.shape), None, dgamma, dw_gate_up, dw_down, None
+        return dh.to(dh_out.dtype).reshape(ctx.shape), None, dgamma, dw_gate_up, dw_down, None, None
 
 
 def _rmsnorm_backward(ops, d_pre, w, h, rstd, gamma, dh_residual, rowdot):
@@ -134,21 +138,42 @@ def _rmsnorm_backward(ops, d_pre, w, h, rstd, gamma, dh_residual, rowdot):
     return dh, dgamma.to(gamma.dtype), dw
 
 
-def _fold_gamma(h: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GEMM operands of (h * gamma) @ w.T: gamma scales the reduction dimension K, so it can
-    be folded into either operand; it goes into the smaller one (the weight W * gamma, or the
-    activations h * gamma when there are fewer tokens than output features), redone every call
-    so that gamma trains.  One elementwise kernel when gamma has the operand's dtype (16-bit
-    products are computed in fp32 and rounded once either way)."""
-    def scaled(t):
-        return t * gamma if gamma.dtype == t.dtype else (t.float() * gamma.float()).to(t.dtype)
+def _norm_operands(h: torch.Tensor, sumsq, gamma: torch.Tensor, w: torch.Tensor, eps: float,
+                   scaled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a, b, rstd): the GEMM operands of (rmsnorm(h) * gamma) @ w.T = rstd * ((a @ b.T)), rstd per
+    row applied in the epilogue.  gamma scales the reduction dimension K, so it goes into one
+    operand, redone every call so that gamma trains:
+    - ``scaled``, h * gamma as the residual GEMM that made h stored it (`residual_sumsq_scaled`):
+      a = scaled, nothing to compute;
+    - no statistics (``sumsq`` None: no GEMM made h): one pass over h (`rms_statistics`) gives
+      rstd and h * gamma together, where that costs less than scaling the weight (the pass reads
+      h anyway, so it adds one write of h: cheaper while tokens < 2 x the weight's rows);
+    - else into the smaller operand, h * gamma or w * gamma (one elementwise kernel each)."""
+    if scaled is not None:
+        return scaled, w, _rstd(h, sumsq, eps)
+    if sumsq is None and h.shape[0] < 2 * w.shape[0]:
+        rstd, scaled = _one_pass(rms_statistics, h)(h, gamma, eps)
+        return scaled, w, rstd
+    rstd = _rstd(h, sumsq, eps)
+    return (_times(h, gamma), w, rstd) if h.shape[0] < w.shape[0] else (h, _times(w, gamma), rstd)
 
-    return (scaled(h), w) if h.shape[0] < w.shape[0] else (h, scaled(w))
+
+def _times(t: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """t * gamma over t's last dimension in t's dtype (16-bit products in fp32, rounded once)."""
+    return t * gamma if gamma.dtype == t.dtype else (t.float() * gamma.float()).to(t.dtype)
+
+
+def rms_statistics(h: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rstd, h * gamma): the row statistic of RMSNorm, rsqrt(mean(h^2) + eps) in fp32, and h scaled
+    by gamma in h's dtype (the next GEMM's input, normalized by rstd in its epilogue), written so
+    that one pass over h computes both (`_one_pass`)."""
+    hf = h.float()
+    return torch.rsqrt(hf.square().mean(-1) + eps), (hf * gamma.float()).to(h.dtype)
 
 
 def _rstd(h2: torch.Tensor, sumsq, eps: float) -> torch.Tensor:
     if sumsq is None:  # the first block: no GEMM produced the statistics (one fp32 reduction over h)
-        sumsq = torch.linalg.vector_norm(h2, dim=-1, dtype=torch.float32).square()
+        sumsq = torch.linalg.vector_norm(h2, dim=-1, dtype=torch.promote_types(h2.dtype, torch.float32)).square()
     return torch.rsqrt(sumsq.reshape(-1) / h2.shape[-1] + eps)
 
 
@@ -195,7 +220,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, h: torch.Tensor, sumsq: torch.Tensor | None = None):
         _check_input("LlamaMLP", h, sumsq, self.w_down.t())
-        return _LlamaMLPFunction.apply(h, sumsq, self.gamma, self.w_gate_up, self.w_down, self.eps)
+        return _LlamaMLPFunction.apply(h, sumsq, self.gamma, self.w_gate_up, self.w_down, self.eps, None)
 
     @torch.no_grad()
     def load_hf(self, norm_weight: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor,
@@ -234,36 +259,41 @@ def qkv_gradient(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q: torch.
     (position, i)) and all three laid out as the GEMM wrote them; rowdot, (tokens,) fp32, the sum of
     d_pre * pre over each token's row, pre being the GEMM's output before RoPE, which is the sum of
     dq * q + dk * k + dv * v over the attention inputs q, k, v (a rotation keeps dot products).
-    One pass over the gradients on the GPU, where `_qkv_gradient_pass` compiles it (autograd would
-    concatenate them first, then rotate)."""
-    batch, _, seq, head_dim = dq.shape
-    c, s = cos[:seq, None, :].float(), sin[:seq, None, :].float()  # (seq, 1, head_dim / 2)
+    On the GPU `_one_pass` compiles it (autograd would concatenate them first, then rotate)."""
+    batch, n_q, seq, head_dim = dq.shape
+    n_kv = dk.shape[1]
+    # per element of a pair (2i, 2i + 1) at a position: x' = x * (c, c) + swap(x) * (s, -s)
+    c = cos[:seq].float().repeat_interleave(2, dim=-1)[:, None, :]  # (seq, 1, head_dim)
+    s = torch.stack([sin[:seq].float(), -sin[:seq].float()], dim=-1).flatten(-2)[:, None, :]
 
-    def as_rows(t: torch.Tensor) -> torch.Tensor:
-        return t.transpose(1, 2).reshape(batch * seq, -1)
+    def unrotate(t: torch.Tensor) -> torch.Tensor:  # (batch, seq, heads, head_dim)
+        x = t.transpose(1, 2)
+        swapped = x.unflatten(-1, (head_dim // 2, 2)).flip(-1).flatten(-2)
+        return (x.float() * c + swapped.float() * s).to(t.dtype)
 
-    def unrotate(t: torch.Tensor) -> torch.Tensor:
-        x = t.transpose(1, 2).float().unflatten(-1, (head_dim // 2, 2))  # (batch, seq, heads, pairs, 2)
-        x0, x1 = x[..., 0], x[..., 1]
-        turned = torch.stack([x0 * c + x1 * s, x1 * c - x0 * s], dim=-1)
-        return turned.reshape(batch * seq, -1).to(t.dtype)
-
+    # written into slices of one buffer: torch.compile makes this one pass, where a concatenation
+    # of the three would read and write the gradients twice
+    d_pre = torch.empty(batch, seq, n_q + 2 * n_kv, head_dim, dtype=dq.dtype, device=dq.device)
+    d_pre[:, :, :n_q] = unrotate(dq)
+    d_pre[:, :, n_q:n_q + n_kv] = unrotate(dk)
+    d_pre[:, :, n_q + n_kv:] = dv.transpose(1, 2)
     rowdot = sum((g.float() * t.float()).sum(dim=(1, 3)) for g, t in ((dq, q), (dk, k), (dv, v)))
-    return torch.cat([unrotate(dq), unrotate(dk), as_rows(dv)], dim=-1), rowdot.reshape(batch * seq)
+    return d_pre.reshape(batch * seq, -1), rowdot.reshape(batch * seq)
 
 
-_COMPILED_QKV_GRADIENT = None
+_COMPILED: dict = {}
 
 
-def _qkv_gradient_pass(dq: torch.Tensor):
-    """`qkv_gradient` as one kernel on the GPU (torch.compile); on the CPU and under an outer
-    torch.compile, the plain function."""
-    global _COMPILED_QKV_GRADIENT
-    if not dq.is_cuda or torch.compiler.is_compiling():
-        return qkv_gradient
-    if _COMPILED_QKV_GRADIENT is None:
-        _COMPILED_QKV_GRADIENT = torch.compile(qkv_gradient, dynamic=False)
-    return _COMPILED_QKV_GRADIENT
+def _one_pass(function, t: torch.Tensor):
+    """``function`` as torch.compile fuses it (one kernel for the elementwise passes and row
+    reductions of `qkv_gradient`, `rms_statistics`, `cross_entropy_grad`, where plain torch
+    would take several passes) when ``t`` is on the GPU; on the CPU, and under an outer
+    torch.compile (which fuses it itself), the plain function."""
+    if not t.is_cuda or torch.compiler.is_compiling():
+        return function
+    if function not in _COMPILED:
+        _COMPILED[function] = torch.compile(function)
+    return _COMPILED[function]
 
 
 def _qkv_heads(qkv: torch.Tensor, batch: int, seq: int, heads) -> tuple[torch.Tensor, ...]:
@@ -285,8 +315,8 @@ class _NormQKVRope(torch.autograd.Function):
         n_heads, n_kv_heads, head_dim = heads
         batch, seq, _ = h.shape
         h2 = h.reshape(-1, h.shape[-1])
-        rstd = _rstd(h2, sumsq, eps)
-        qkv = _rope_op((n_heads + n_kv_heads) * head_dim)(*_fold_gamma(h2, w_qkv, gamma), rstd, cos, sin)
+        a_in, b_in, rstd = _norm_operands(h2, sumsq, gamma, w_qkv, eps)
+        qkv = _rope_op((n_heads + n_kv_heads) * head_dim)(a_in, b_in, rstd, cos, sin)
         # qkv costs no memory: attention saves q, k and v, views of it, for its own backward
         ctx.save_for_backward(h2, rstd, gamma, w_qkv, cos, sin, qkv)
         ctx.shape, ctx.heads = h.shape, heads
@@ -296,31 +326,37 @@ class _NormQKVRope(torch.autograd.Function):
     def backward(ctx, dq, dk, dv, dresidual):
         h, rstd, gamma, w_qkv, cos, sin, qkv = ctx.saved_tensors
         q, k, v = _qkv_heads(qkv, ctx.shape[0], ctx.shape[1], ctx.heads)
-        d_pre, rowdot = _qkv_gradient_pass(dq)(dq, dk, dv, q, k, v, cos, sin)
+        d_pre, rowdot = _one_pass(qkv_gradient, dq)(dq, dk, dv, q, k, v, cos, sin)
         dresidual = dresidual.reshape(h.shape).to(h.dtype).contiguous()
         dh, dgamma, dw = _rmsnorm_backward(_OPS, d_pre.to(h.dtype), w_qkv, h, rstd, gamma, dresidual, rowdot)
         return dh.to(dq.dtype).reshape(ctx.shape), None, dgamma, dw, None, None, None, None
 
 
 class _LinearResidual(torch.autograd.Function):
-    """h_out = residual + x @ w.T, with the next norm's per-row sum of squares."""
+    """h_out = residual + x @ w.T, with the next norm's per-row sum of squares and, given that
+    norm's ``next_gamma``, h_out * next_gamma for the next GEMM's input (not differentiated
+    here: the next module differentiates its own norm through h_out)."""
 
     @staticmethod
-    def forward(ctx, x, w, residual):
+    def forward(ctx, x, w, residual, next_gamma):
         x2, r2 = x.reshape(-1, x.shape[-1]), residual.reshape(-1, residual.shape[-1])
-        h_out, sumsq = _OPS["residual_sumsq"](x2, w, r2)
+        if next_gamma is None:
+            (h_out, sumsq), scaled = _OPS["residual_sumsq"](x2, w, r2), None
+        else:
+            h_out, sumsq, scaled = _OPS["residual_sumsq_scaled"](x2, w, r2, next_gamma)
+            ctx.mark_non_differentiable(scaled)
         ctx.save_for_backward(x2, w)
         ctx.shapes = (x.shape, residual.shape)
         ctx.mark_non_differentiable(sumsq)
-        return h_out.reshape(residual.shape), sumsq.reshape(residual.shape[:-1])
+        return h_out.reshape(residual.shape), sumsq.reshape(residual.shape[:-1]), scaled
 
     @staticmethod
-    def backward(ctx, dh_out, _dsumsq):
+    def backward(ctx, dh_out, _dsumsq, _dscaled):
         x, w = ctx.saved_tensors
         dy = dh_out.reshape(-1, dh_out.shape[-1]).to(x.dtype).contiguous()
         dx = dy @ w  # plain GEMMs: cuBLAS (module docstring)
         dw = dy.t() @ x
-        return dx.reshape(ctx.shapes[0]), dw, dh_out
+        return dx.reshape(ctx.shapes[0]), dw, dh_out, None
 
 
 class LlamaAttention(nn.Module):
@@ -349,6 +385,12 @@ class LlamaAttention(nn.Module):
         _rope_op((self.n_heads + self.n_kv_heads) * self.head_dim)  # registered now, looked up in forward
 
     def forward(self, h: torch.Tensor, sumsq: torch.Tensor | None = None):
+        h_out, sumsq_out, _ = self._forward(h, sumsq, None)
+        return h_out, sumsq_out
+
+    def _forward(self, h: torch.Tensor, sumsq: torch.Tensor | None, next_gamma: torch.Tensor | None):
+        """(h_out, sumsq_out, h_out * next_gamma or None): the next norm's scale applied in the O
+        projection's epilogue (``LlamaBlock``)."""
         _check_input("LlamaAttention", h, sumsq, self.w_qkv, dims=3)
         batch, seq, _ = h.shape
         if seq > self.cos.shape[0]:
@@ -359,7 +401,7 @@ class LlamaAttention(nn.Module):
                                                (nq, nkv, hd), self.eps)
         attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nq != nkv)
         attn = attn.transpose(1, 2).reshape(batch, seq, nq * hd)
-        return _LinearResidual.apply(attn, self.w_o, residual)
+        return _LinearResidual.apply(attn, self.w_o, residual, next_gamma)
 
     @torch.no_grad()
     def load_hf(self, norm_weight, q_proj, k_proj, v_proj, o_proj) -> "LlamaAttention":
@@ -390,8 +432,11 @@ class LlamaBlock(nn.Module):
         self.mlp = LlamaMLP(d, ffn, eps=eps, dtype=dtype, device=device)
 
     def forward(self, h: torch.Tensor, sumsq: torch.Tensor | None = None):
-        h, sumsq = self.attention(h, sumsq)
-        return self.mlp(h, sumsq)
+        # the O projection's epilogue also scales h by the MLP norm's gamma: the MLP's first GEMM
+        # reads that, so no pass folds gamma into its input or weight
+        h, sumsq, scaled = self.attention._forward(h, sumsq, self.mlp.gamma)
+        return _LlamaMLPFunction.apply(h, sumsq, self.mlp.gamma, self.mlp.w_gate_up, self.mlp.w_down,
+                                       self.mlp.eps, scaled)
 
     def load_hf(self, layer: dict) -> "LlamaBlock":
         """From a Hugging Face Llama decoder layer's state dict (keys without the layer prefix)."""
@@ -439,7 +484,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dh, dw = _chunked_head_backward(h2, weight, lse, t_index, per_row)
             return dh.reshape(ctx.shape[0]), dw, None, None, None, None
         # in place: the logits' memory (tokens x vocab) becomes their gradient's
-        dlogits = _cross_entropy_grad_pass(logits)(logits, lse, t_index, per_row, out=logits)
+        dlogits = _one_pass(cross_entropy_grad, logits)(logits, lse, t_index, per_row, out=logits)
         dh = dlogits @ weight  # plain GEMMs: cuBLAS (module docstring)
         dw = dlogits.t() @ h2
         return dh.reshape(ctx.shape[0]), dw, None, None, None, None
@@ -477,21 +522,6 @@ def cross_entropy_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Te
     cols = torch.arange(logits.shape[1], device=logits.device, dtype=target.dtype)
     grad = torch.where(cols == target[:, None], prob - 1.0, prob) * dloss[:, None]
     return grad.to(logits.dtype) if out is None else out.copy_(grad)
-
-
-_COMPILED_GRAD = None
-
-
-def _cross_entropy_grad_pass(logits: torch.Tensor):
-    """`cross_entropy_grad` as one pass over the logits on the GPU: torch.compile fuses it into a
-    single kernel (one read, one write), where plain torch would take ~6 passes.  Under an outer
-    torch.compile, and on the CPU, the plain function (the outer compile fuses it itself)."""
-    global _COMPILED_GRAD
-    if not logits.is_cuda or torch.compiler.is_compiling():
-        return cross_entropy_grad
-    if _COMPILED_GRAD is None:
-        _COMPILED_GRAD = torch.compile(cross_entropy_grad)
-    return _COMPILED_GRAD
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

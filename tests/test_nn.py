@@ -243,16 +243,26 @@ def test_linear_cross_entropy_compiles_with_fullgraph(save_logits, gen):
     torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("tokens", [6, 40])  # fewer tokens than weight rows: gamma goes into h
-def test_gamma_is_folded_into_the_smaller_operand(tokens, gen):
-    from coda_cute.nn import _fold_gamma
+@pytest.mark.parametrize("tokens", [6, 30, 50])
+@pytest.mark.parametrize("given", ["sumsq", "nothing", "scaled"])
+def test_gamma_goes_into_one_operand_and_rstd_into_the_epilogue(tokens, given, gen):
+    """(h * gamma) @ w.T * rstd = rmsnorm(h) * gamma @ w.T on every route: the residual GEMM's
+    h * gamma taken as it is; without statistics, one pass making rstd and h * gamma while there
+    are fewer tokens than twice the weight's rows (24 here), else the weight scaled; with
+    statistics, the smaller operand scaled."""
+    from coda_cute.nn import _norm_operands
 
     h = torch.randn(tokens, 16, generator=gen, dtype=torch.float64)
     w = torch.randn(24, 16, generator=gen, dtype=torch.float64)
     gamma = torch.rand(16, generator=gen, dtype=torch.float64) + 0.5
-    a, b = _fold_gamma(h, w, gamma)
-    assert (a is h) == (tokens >= 24) and (b is w) == (tokens < 24), "gamma must scale exactly one operand"
-    torch.testing.assert_close(a @ b.t(), (h * gamma) @ w.t())
+    sumsq = h.square().sum(-1) if given != "nothing" else None
+    scaled = h * gamma if given == "scaled" else None
+    a, b, rstd = _norm_operands(h, sumsq, gamma, w, 1e-6, scaled)
+    weight_scaled = tokens >= (24 if given == "sumsq" else 48) and given != "scaled"
+    assert (a is h) == weight_scaled and (b is w) == (not weight_scaled), "gamma must scale exactly one operand"
+    assert given != "scaled" or a is scaled
+    want = (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + 1e-6) * gamma) @ w.t()
+    torch.testing.assert_close((a @ b.t()) * rstd[:, None], want.to(torch.float32).double(), rtol=1e-5, atol=1e-5)
 
 
 def test_qkv_gradient_rotates_q_and_k_back_and_lays_heads_out_as_the_gemm_wrote_them(gen):
