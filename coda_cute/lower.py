@@ -545,7 +545,7 @@ class _Body:
             if table is None:
                 table = dict(gmem=name, frag=f"frag_table_{op.name}", cols=cols)
                 self.ctx.tables.append(table)
-            return [f"{table['frag']}[({_table_slot(len(cols), k)}, subtile % 2)]" for k in range(len(cols))]
+            return [self.backend.table_value(table["frag"], _table_slot(len(cols), k)) for k in range(len(cols))]
         view = f"view_in_{op.name}"
         index = operand_dtype(self.config, op.name) == "i32"  # an int32 vector's values, as fp32 unless as_index
         wrap = "cutlass.Float32({})" if staging == "ring" or (index and not as_index) else "{}"

@@ -21,7 +21,7 @@ from coda_cute.runtime import runtime_defaults
 BLACKWELL = KernelConfig(arch="sm_100a", gpu="B200", tile=(128, 256), cluster=(1, 1))
 TILES = {"128x256": (128, 256), "128x128": (128, 128)}
 # what this slice refuses, and the words its refusal names
-REFUSED = {"rope_qkv": "tables", "rms_rope_qkv": "tables", "qk_rmsnorm": "segment reductions"}
+REFUSED = {"qk_rmsnorm": "segment reductions"}
 # random compositions (tests/random_programs.py) in the slice: N/2 and N outputs, row max,
 # maxabs, logsumexp, sum and sumsq; N-wide tile inputs with column maxabs (0) and max (4), and
 # a column max alone (17)
@@ -114,6 +114,28 @@ def test_sm100_plans_input_rings_beside_the_mainloop_stages():
     assert (cfg["in_stages"], cfg["ab_stages"]) == (8, 3)
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("name,table_dtype", [("rope_qkv", "f32"), ("rms_rope_qkv", "bf16")])
+def test_staged_tables_reach_smem_by_tma_on_sm100(name, table_dtype, tile, tmp_path):
+    """stage_tables: the epilogue input warp brings each subtile's cos/sin slice into a ring by
+    TMA, and the epilogue threads issue no global loads of their own for them (rms_rope_qkv's
+    one is rstd's, a row vector)."""
+    from coda_cute.compile import compile_program
+
+    program = library.get(name)
+    config = BLACKWELL.with_(tile=TILES[tile], table_periods=(("cos", 64), ("sin", 64)), stage_tables=True,
+                             operand_dtypes=(("cos", table_dtype), ("sin", table_dtype)))
+    source = emit(program, config)
+    assert "in_cos__block" in source and "frag_table_cos" not in source and "EPI_LOAD_WARP = 6" in source
+    compiled = compile_program(program, config, keep=("sass",), dump_dir=tmp_path / "dump",
+                               source_dir=tmp_path / "src", report=True)
+    _check_sass(name, program, compiled)
+    sass = compiled.artifacts["sass"].read_text()
+    assert sass.count("LDG.E") == (1 if name == "rms_rope_qkv" else 0), "global loads beside rstd's"
+    assert len(re.findall(r"\bUTMALDG\b", sass)) >= 4, "TMA loads of A, B, cos and sin"
+
+
 @pytest.mark.parametrize("kind", ["sum", "sumsq", "max", "maxabs"])
 @pytest.mark.parametrize("offset", ["", "(TILE_THREADS // 32) * EPI_N"])
 def test_the_column_exchange_sums_each_column_over_a_warp(kind, offset):
@@ -192,6 +214,11 @@ def test_the_emitted_sm100_module_reads_like_hopper_one():
     assert "EPI_LOAD_WARP" not in emit(library.get("gemm"), BLACKWELL)
     dgamma = emit(library.get("rmsnorm_bwd"), BLACKWELL)
     assert "col_scratch[(ctidx // 32) * EPI_N + ctidx % 32] = red_dgamma[0]" in dgamma
+    # gathered tables: one fragment entry per column pair of the row, loaded a subtile ahead
+    rope = emit(library.get("rope_qkv"), BLACKWELL)
+    assert "frag_table_cos = cute.make_rmem_tensor((EPI_N // 2,), cutlass.Float32)" in rope
+    assert "v_cos = frag_table_cos[table_slot]" in rope and "gather_subtile = subtile + 1" in rope
+    assert rope.index("gather_subtile = 0") < rope.index("acc_pipeline.consumer_wait(acc_state)")
 
 
 def test_cli_emits_for_sm100(tmp_path, capsys):

@@ -106,6 +106,10 @@ class Backend(ABC):
         each column and park each warp's totals in ``col_scratch`` from ``offset``."""
 
     @abstractmethod
+    def table_value(self, frag: str, slot: str) -> str:
+        """The entry ``slot`` of table fragment ``frag`` that the pair loop reads (the subtile's)."""
+
+    @abstractmethod
     def table_gather(self, tables: list[dict], slot: Callable, read: Callable) -> list[str]:
         """Lines that load subtile ``gather_subtile``'s table values into their fragments;
         ``slot(lanes, k)`` is lane k's fragment row, ``read(table, col)`` one element."""

@@ -54,7 +54,7 @@ class SM100(Backend):
     template = "sm100_gemm.py.j2"
     defaults = ((128, 256), (1, 1), "cooperative")
     acc_lanes = ("acc[slot0]", "acc[slot1]")
-    table_slot = "slot0"  # tables are refused (plan_smem)
+    table_slot = "k"  # the pair's step in the subtile: a table fragment holds one subtile of the row
     row_registers = "1"  # a thread holds one row
     row_register = "0"
     row_sharing = "one thread holds the whole row"
@@ -140,10 +140,26 @@ class SM100(Backend):
     def column_exchange(self, kind: str, reg: str, epi_n: int, offset: str = "") -> list[str]:
         return lane_column_exchange(kind, reg, epi_n, offset)
 
+    def table_value(self, frag: str, slot: str) -> str:
+        return f"{frag}[{slot}]"
+
     def table_gather(self, tables: list[dict], slot: Callable, read: Callable) -> list[str]:
-        if tables:
-            raise UnsupportedError(f"table operands are not lowered to {self.arch} yet")
-        return []
+        """Into the fragments, one entry per column pair of this thread's row (EPI_N // 2).  The
+        template runs them for the first subtile before it waits for the accumulator (the row and
+        columns are known; the MMAs are still running), for the others once the subtile before
+        has read the fragments and issued its store: one buffer, whose loads are in flight across
+        the next subtile's TMEM load and barriers (the subtile loop is rolled: a second buffer
+        indexed by subtile parity would be a dynamic index into registers, i.e. local memory)."""
+        if not tables:
+            return []
+        lines = ["row = row0 + ctidx",
+                 "for k in cutlass.range_constexpr(EPI_N // 2):",
+                 "    col = col0 + gather_subtile * EPI_N + 2 * k  # the pair's first accumulator column",
+                 f"    table_slot = {self.table_slot}"]
+        for t in tables:
+            for k, col in enumerate(t["cols"]):
+                lines.append(f"    {self.table_value(t['frag'], slot(len(t['cols']), k))} = {read(t['gmem'], col)}")
+        return lines
 
 
 def check_supported(program: Program, config: KernelConfig) -> None:
@@ -160,9 +176,6 @@ def check_supported(program: Program, config: KernelConfig) -> None:
                                "kernel runs the epilogue beside the MMAs already (use cooperative)")
     if ACC_STAGES * config.tile[1] > TMEM_COLUMNS:
         raise UnsupportedError(f"tile {config.tile}: {ACC_STAGES} accumulators exceed {TMEM_COLUMNS} TMEM columns")
-    for op in program.operands:
-        if op.kind == "table":
-            raise UnsupportedError(f"operand {op.name!r}: tables are not lowered to {arch} yet")
     for node in program.nodes:
         if node.op == "segreduce":
             raise UnsupportedError(f"{node.describe()}: segment reductions are not lowered to {arch} yet")

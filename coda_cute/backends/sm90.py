@@ -98,6 +98,9 @@ class SM90(Backend):
     def column_exchange(self, kind: str, reg: str, epi_n: int, offset: str = "") -> list[str]:
         return warp_column_exchange(kind, reg, epi_n, offset)
 
+    def table_value(self, frag: str, slot: str) -> str:
+        return f"{frag}[({slot}, subtile % 2)]"
+
     def table_gather(self, tables: list[dict], slot: Callable, read: Callable) -> list[str]:
         """Into stage ``gather_subtile % 2`` of each table's register fragment.  The template runs
         them before the values are needed: for the first subtile while the mainloop's last WGMMAs finish, for
