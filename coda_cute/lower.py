@@ -66,6 +66,7 @@ class Context:
     finishes: list = field(default_factory=list)  # reductions whose partials the finishing kernel combines
     col_scratch_elems: int = 0
     segments: list = field(default_factory=list)  # registers of segment reductions
+    subtile_segments: list = field(default_factory=list)  # segment reductions run at a segment's first subtile
     tables: list = field(default_factory=list)  # table operands gathered a subtile ahead
     epi_n: int = 0  # accumulator columns per epilogue subtile: the backend's plan picks them
     helpers: set = field(default_factory=set)  # module-level helper functions the body calls
@@ -89,7 +90,7 @@ class Context:
     def uses(self, name: str) -> bool:
         """Whether the generated lines refer to ``name``: the template defines the tile's
         coordinates (``tCcAcc``, ``row0``, ``col0``) and the view helpers only where used."""
-        lines = (self.body + self.tile_prologue + self.subtile_prologue + self.subtile_compute_end
+        lines = (self.body + self.tile_prologue + self.subtile_segments + self.subtile_prologue + self.subtile_compute_end
                  + self.subtile_epilogue + self.tile_epilogue + self.table_gather()
                  + [str(x) for x in self.vectors + self.views])
         return _refers_to(lines, name)
@@ -150,8 +151,8 @@ def _check_supported(program: Program, config: KernelConfig) -> None:
             raise UnsupportedError(f"output {out.name!r}: column logsumexp is not lowered to {config.arch} yet (row logsumexp is)")
     in_segments = tables_in_segment_reductions(program) if config.stage_tables else set()
     if in_segments:
-        raise UnsupportedError(f"tables {sorted(in_segments)}: a segment reduction runs over the whole tile before "
-                               "the subtiles, so it cannot read a table staged in smem (stage_tables)")
+        raise UnsupportedError(f"tables {sorted(in_segments)}: a segment reduction runs over its segments before "
+                               "their subtiles, so it cannot read a table staged in smem (stage_tables)")
     for node in program.nodes:
         if node.op != "segreduce":
             continue
@@ -165,14 +166,14 @@ def _check_supported(program: Program, config: KernelConfig) -> None:
         for inner in _subgraph(node.args[0]):
             if inner.op == "segreduce" or (inner.op == "load" and program.operand(inner.attrs[0]).staging == "ring"):
                 raise UnsupportedError(
-                    f"{node.describe()}: a segment reduction runs over the whole tile before the subtiles stream "
+                    f"{node.describe()}: a segment reduction runs over its segments before their subtiles stream "
                     f"through smem, so it cannot read {inner.describe()} (a tile operand or another segment reduction)"
                 )
 
 
 def tables_in_segment_reductions(program: Program) -> set[str]:
     """Table operands (gathered) some segment reduction reads: those are never staged in smem (a
-    segment reduction runs over the whole tile before any subtile's slice arrives)."""
+    segment reduction runs over its segments before their subtiles' slices arrive)."""
     return {inner.attrs[0] for node in program.nodes if node.op == "segreduce" for inner in _subgraph(node.args[0])
             if inner.op == "load" and program.operand(inner.attrs[0]).staging == "gather"}
 
@@ -462,52 +463,47 @@ class _Body:
         return self.elementwise(node, args)
 
     def segment_reduction(self, node: Node) -> str:
-        """Reduce over each column segment of the whole tile before the subtiles; return the lookup."""
+        """Reduce over each column segment of a row before the pairs that read it (the backend's
+        pass: the whole tile before the subtiles, or each segment at its first subtile); return
+        the lookup."""
         kind, seg = node.attrs
         width = node.args[0].width
-        index = len(self.ctx.segments)
-        reg = f"seg{index}"
-        per_tile = int(self.config.tile[1] * width) // seg
-        groups = int(seg / width) // 8  # 8-column groups j of the accumulator per segment
+        reg = f"seg{len(self.ctx.segments)}"
+        acc_cols = int(seg / width)  # accumulator columns per segment
         inner = _Body(self.ctx, self.program, self.config, lines=[])
         for sub in _subgraph(node.args[0]):
             inner.emit(sub)
         inner.add_coordinates()
         lanes = inner.lanes[id(node.args[0])]
-        # one register per row and segment; a tile-wide segment (one per row) needs no column term
         b = self.backend
-        column = f"{b.column_group} // {groups}" if groups > 1 else b.column_group
-        slot = f"{reg}[({b.row_register}) * {per_tile} + {column}]" if per_tile > 1 else f"{reg}[{b.row_register}]"
-        registers = f"{b.row_registers} * {per_tile}" if per_tile > 1 else b.row_registers
+        registers, index = b.segment_registers(acc_cols, self.config.tile[1])
+        slot = f"{reg}[{index}]"
         ctx = self.ctx
         ctx.segments.append(reg)
-        lines = [f"# {node.describe()}: per row and {seg}-column segment, over the whole tile"]
         if kind == "logsumexp":
             ctx.helpers.update({"where", "logsumexp"})
-            lines += [f"{reg}_max = cute.make_rmem_tensor(({registers},), cutlass.Float32)",
-                      f"{reg}_max.fill(-float(\"inf\"))",
-                      f"{reg} = cute.make_rmem_tensor(({registers},), cutlass.Float32)",
-                      f"{reg}.fill(0.0)"]
+            init = [(f"{reg}_max = cute.make_rmem_tensor(({registers},), cutlass.Float32)",
+                     f"{reg}_max.fill(-float(\"inf\"))"),
+                    (f"{reg} = cute.make_rmem_tensor(({registers},), cutlass.Float32)", f"{reg}.fill(0.0)")]
             update = [f"{slot.replace(reg, reg + '_max')}, {slot} = logsumexp_update("
                       f"{slot.replace(reg, reg + '_max')}, {slot}, {lane})" for lane in lanes]
         else:
-            lines += [f"{reg} = cute.make_rmem_tensor(({registers},), cutlass.Float32)",
-                      f"{reg}.fill({IDENTITY[kind]})"]
+            init = [(f"{reg} = cute.make_rmem_tensor(({registers},), cutlass.Float32)", f"{reg}.fill({IDENTITY[kind]})")]
             update = [f"{slot} = {combine(kind, slot, reduce_term(kind, lane))}" for lane in lanes]
-        lines += b.tile_pairs()
-        lines += ["            " + line for line in inner.lines + update]
-        lines += [f"for k in cutlass.range_constexpr({registers}):  # {b.row_sharing}"]
+        lines = b.segment_pass(acc_cols, inner.lines + update)
         if kind == "logsumexp":
             fold = b.row_fold([f"other_top = {b.row_shuffle('top')}", f"other_total = {b.row_shuffle('total')}",
                                "top, total = logsumexp_merge(top, total, other_top, other_total)"])
-            lines += [f"    top, total = {reg}_max[k], {reg}[k]", *("    " + line for line in fold),
-                      f"    {reg}[k] = top + cute.math.log(total, fastmath=True)"]
+            finish = [f"top, total = {reg}_max[k], {reg}[k]", *fold, f"{reg}[k] = top + cute.math.log(total, fastmath=True)"]
         else:
             fold = b.row_fold([f"total = {combine(kind, 'total', b.row_shuffle('total'))}"])
-            lines += [f"    total = {reg}[k]", *("    " + line for line in fold), f"    {reg}[k] = total"]
-        ctx.tile_prologue += lines
+            finish = [f"total = {reg}[k]", *fold, f"{reg}[k] = total"] if fold else []  # else a thread holds the rows
+        if finish:
+            lines += [f"for k in cutlass.range_constexpr({registers}):  # {b.row_sharing}", *("    " + line for line in finish)]
+        tile, subtile = b.segment_scope(acc_cols, f"{node.describe()}: per row and {seg}-column segment", init, lines)
+        ctx.tile_prologue += tile
+        ctx.subtile_segments += subtile
         return slot
-
 
     def elementwise(self, node: Node, args: list[list[str]]) -> list[str]:
         code = ELEMENTWISE[node.op].cute
@@ -539,13 +535,13 @@ class _Body:
             return [name]
         if staging == "gather":
             cols = self.values(Node("col", (), (), "i32", op.width))
-            if self.lines is not self.ctx.body:  # a whole-tile pass (segment reduction): load in place
+            if self.lines is not self.ctx.body:  # a segment reduction's pass: load in place
                 return [_table_read(name, c) for c in cols]
             table = next((t for t in self.ctx.tables if t["gmem"] == name), None)
             if table is None:
                 table = dict(gmem=name, frag=f"frag_table_{op.name}", cols=cols)
                 self.ctx.tables.append(table)
-            return [f"{table['frag']}[({_table_slot(len(cols), k)}, subtile % 2)]" for k in range(len(cols))]
+            return [self.backend.table_value(table["frag"], _table_slot(len(cols), k)) for k in range(len(cols))]
         view = f"view_in_{op.name}"
         index = operand_dtype(self.config, op.name) == "i32"  # an int32 vector's values, as fp32 unless as_index
         wrap = "cutlass.Float32({})" if staging == "ring" or (index and not as_index) else "{}"

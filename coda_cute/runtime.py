@@ -458,7 +458,7 @@ def stageable_tables(program: Program, problem: Problem, tile_m: int) -> str | N
     (KernelConfig.stage_tables), else why not, naming the table: its rows R must be a multiple
     of the tile's rows (a tile's rows never wrap), its period P a multiple of 32 columns (whole
     subtile slices), its rows and data 16-byte aligned, and no segment reduction may read it
-    (those run over the whole tile before any slice arrives)."""
+    (those run over their segments before the segments' slices arrive)."""
     in_segments = tables_in_segment_reductions(program)
     for op in (op for op in program.operands if op.kind == "table"):
         table = problem.operands[op.name]

@@ -1,9 +1,9 @@
-"""Blackwell (sm_100a): every library program either cross-compiles for sm_100a on this
-(GPU-less) machine, with the SASS of the kernel we meant to build (tcgen05 MMAs, TMEM loads, TMA
-loads and stores, no WGMMA, no spills, a finishing kernel exactly where it reduces, shuffles
-exactly where it reduces columns), or is
-refused with an UnsupportedError naming sm_100a and what it lacks.  These kernels are
-compile-verified only: none has run on a Blackwell GPU."""
+"""Blackwell (sm_100a): every library program cross-compiles for sm_100a on this (GPU-less)
+machine at both tiles, with the SASS of the kernel we meant to build (tcgen05 MMAs, TMEM loads,
+TMA loads and stores, no WGMMA, no spills, a finishing kernel exactly where it reduces, shuffles
+exactly where it reduces columns); what sm_100a does not build (other tiles, clusters,
+ping-pong) is refused with an UnsupportedError naming sm_100a and what it lacks.  These kernels
+are compile-verified only: none has run on a Blackwell GPU."""
 
 import re
 
@@ -20,12 +20,13 @@ from coda_cute.runtime import runtime_defaults
 
 BLACKWELL = KernelConfig(arch="sm_100a", gpu="B200", tile=(128, 256), cluster=(1, 1))
 TILES = {"128x256": (128, 256), "128x128": (128, 128)}
-# what this slice refuses, and the words its refusal names
-REFUSED = {"rope_qkv": "tables", "rms_rope_qkv": "tables", "qk_rmsnorm": "segment reductions"}
-# random compositions (tests/random_programs.py) in the slice: N/2 and N outputs, row max,
-# maxabs, logsumexp, sum and sumsq; N-wide tile inputs with column maxabs (0) and max (4), and
-# a column max alone (17)
+# random compositions (tests/random_programs.py): N/2 and N outputs, row max, maxabs,
+# logsumexp, sum and sumsq; N-wide tile inputs with column maxabs (0) and max (4), and a column
+# max alone (17)
 RANDOM_SEEDS = (7, 11, 13, 14, 52, 59, 0, 4, 17)
+# ... and with extras: a table with a 128-column segment max (0) or sumsq (2), with 8-column
+# sums (3) or a 16-column logsumexp (9); a table alone (7); a 32-column max alone (12)
+EXTRAS_SEEDS = (0, 2, 3, 9, 7, 12)
 
 
 def _wide_output():
@@ -58,34 +59,33 @@ def _check_sass(name, program, compiled):
 @pytest.mark.compile
 @pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("name", sorted(library.programs()))
-def test_library_program_compiles_for_sm100_or_is_refused(name, tile, tmp_path):
+def test_library_program_compiles_for_sm100(name, tile, tmp_path):
     from coda_cute.compile import compile_program
 
     program = library.get(name)
     config = BLACKWELL.with_(tile=TILES[tile])
-    if name in REFUSED:
-        with pytest.raises(UnsupportedError, match=f"{REFUSED[name]} are not lowered to sm_100a"):
-            lower(program, config)
-        return
     compiled = compile_program(program, config, keep=("sass",), dump_dir=tmp_path / "dump",
                                source_dir=tmp_path / "src", report=True)
     _check_sass(name, program, compiled)
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("seed", RANDOM_SEEDS + ("wide_output",))
+@pytest.mark.parametrize("seed", RANDOM_SEEDS + tuple(f"{seed}_extras" for seed in EXTRAS_SEEDS) + ("wide_output",))
 def test_random_compositions_compile_for_sm100(seed, tmp_path):
     from random_programs import random_program
 
     from coda_cute.compile import compile_program
 
-    program = _wide_output() if seed == "wide_output" else random_program(seed)
+    if seed == "wide_output":
+        program = _wide_output()
+    else:
+        program = random_program(int(str(seed).split("_")[0]), extras=str(seed).endswith("_extras"))
     compiled = compile_program(program, BLACKWELL, keep=("sass",), dump_dir=tmp_path / "dump",
                                source_dir=tmp_path / "src", report=True)
     _check_sass(str(seed), program, compiled)
 
 
-def test_sm100_refuses_what_this_slice_does_not_build():
+def test_sm100_refuses_what_it_does_not_build():
     gemm = library.get("gemm")
     for config, words in ((BLACKWELL.with_(cluster=(2, 1)), "cluster 2x1 is not built for sm_100a"),
                           (BLACKWELL.with_(tile=(128, 192)), "tile 128x192 is not built for sm_100a"),
@@ -112,6 +112,28 @@ def test_sm100_plans_input_rings_beside_the_mainloop_stages():
         assert (cfg["ab_stages"], cfg["epi_stages"], cfg["in_stages"]) == stages, (name, tile)
     cfg = lower(library.get("residual_sumsq"), BLACKWELL.with_(in_stages=8)).cfg
     assert (cfg["in_stages"], cfg["ab_stages"]) == (8, 3)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("name,table_dtype", [("rope_qkv", "f32"), ("rms_rope_qkv", "bf16")])
+def test_staged_tables_reach_smem_by_tma_on_sm100(name, table_dtype, tile, tmp_path):
+    """stage_tables: the epilogue input warp brings each subtile's cos/sin slice into a ring by
+    TMA, and the epilogue threads issue no global loads of their own for them (rms_rope_qkv's
+    one is rstd's, a row vector)."""
+    from coda_cute.compile import compile_program
+
+    program = library.get(name)
+    config = BLACKWELL.with_(tile=TILES[tile], table_periods=(("cos", 64), ("sin", 64)), stage_tables=True,
+                             operand_dtypes=(("cos", table_dtype), ("sin", table_dtype)))
+    source = emit(program, config)
+    assert "in_cos__block" in source and "frag_table_cos" not in source and "EPI_LOAD_WARP = 6" in source
+    compiled = compile_program(program, config, keep=("sass",), dump_dir=tmp_path / "dump",
+                               source_dir=tmp_path / "src", report=True)
+    _check_sass(name, program, compiled)
+    sass = compiled.artifacts["sass"].read_text()
+    assert sass.count("LDG.E") == (1 if name == "rms_rope_qkv" else 0), "global loads beside rstd's"
+    assert len(re.findall(r"\bUTMALDG\b", sass)) >= 4, "TMA loads of A, B, cos and sin"
 
 
 @pytest.mark.parametrize("kind", ["sum", "sumsq", "max", "maxabs"])
@@ -176,7 +198,7 @@ def test_a_hopper_gpu_is_refused_for_sm100_kernels(monkeypatch):
 
 def test_the_emitted_sm100_module_reads_like_hopper_one():
     for name in ("gemm", "cross_entropy_stats_save", "swiglu_save", "rms_scale_gamma", "alpha_beta",
-                 "rmsnorm_bwd_residual", "swiglu_bwd_recompute"):
+                 "rmsnorm_bwd_residual", "swiglu_bwd_recompute", "rope_qkv", "qk_rmsnorm"):
         source = emit(library.get(name), BLACKWELL)
         assert all(len(line) <= 100 for line in source.splitlines()), name
         assert "--arch sm_100a --gpu B200" in source and "Compile-verified for sm_100a" in source
@@ -192,6 +214,16 @@ def test_the_emitted_sm100_module_reads_like_hopper_one():
     assert "EPI_LOAD_WARP" not in emit(library.get("gemm"), BLACKWELL)
     dgamma = emit(library.get("rmsnorm_bwd"), BLACKWELL)
     assert "col_scratch[(ctidx // 32) * EPI_N + ctidx % 32] = red_dgamma[0]" in dgamma
+    # gathered tables: one fragment entry per column pair of the row, loaded a subtile ahead
+    rope = emit(library.get("rope_qkv"), BLACKWELL)
+    assert "frag_table_cos = cute.make_rmem_tensor((EPI_N // 2,), cutlass.Float32)" in rope
+    assert "v_cos = frag_table_cos[table_slot]" in rope and "gather_subtile = subtile + 1" in rope
+    assert rope.index("gather_subtile = 0") < rope.index("acc_pipeline.consumer_wait(acc_state)")
+    # a 128-column segment (a head): reduced at its first subtile, its 4 subtiles re-read from TMEM
+    heads = emit(library.get("qk_rmsnorm"), BLACKWELL)
+    assert "if subtile % 4 == 0:" in heads and "seg_subtile = subtile + step % 4" in heads
+    assert "seg0 = cute.make_rmem_tensor((1,), cutlass.Float32)" in heads and "= seg0[0]" in heads
+    assert "shuffle" not in heads
 
 
 def test_cli_emits_for_sm100(tmp_path, capsys):
@@ -275,8 +307,11 @@ def test_kernel_takes_an_arch_and_checks_cpu_calls_against_its_kernel(gen, monke
     for kernel in (Kernel(library.get("gemm"), arch="sm_100a"), Kernel(library.get("gemm"), gpu="B200")):
         torch.testing.assert_close(kernel(a, b).float(), (a.float() @ b.float().t()).bfloat16().float())
         assert (kernel.last.config.arch, kernel.last.config.gpu) == ("sm_100a", "B200")
-    with pytest.raises(UnsupportedError, match="segment reductions are not lowered to sm_100a"):
-        Kernel(segment_mean, arch="sm_100a")(a, b)
+    acc = a.float() @ b.float().t()
+    expected = acc - acc.reshape(16, 1, 32).sum(-1, keepdim=True).reshape(16, 1).repeat_interleave(32, 1) / 32.0
+    torch.testing.assert_close(Kernel(segment_mean, arch="sm_100a")(a, b).float(), expected.bfloat16().float())
+    with pytest.raises(UnsupportedError, match="'pingpong' is not built for sm_100a"):
+        Kernel(library.get("gemm"), arch="sm_100a", tile=(128, 128), cluster=(1, 1), schedule="pingpong")(a, b)
     with pytest.raises(UnsupportedError, match="runs sm_90a kernels, not sm_100a"):
         Kernel(library.get("gemm"), arch="sm_100a", gpu="H200")
     with pytest.raises(UnsupportedError, match="arch 'sm_99a' is not supported"):
@@ -290,3 +325,115 @@ def test_kernel_takes_an_arch_and_checks_cpu_calls_against_its_kernel(gen, monke
     Props.major = 8
     with pytest.raises(UnsupportedError, match="sm_80; coda-cute kernels target sm_90a .*sm_100a"):
         device_arch(torch.device("cuda"))
+
+
+class _Registers:
+    """A thread's register tensor, for all 128 threads at once: entry i is an array over the
+    threads (cute.make_rmem_tensor on the CPU stand-ins)."""
+
+    def __init__(self, size):
+        import numpy as np
+
+        self.values = [np.zeros(128) for _ in range(size)]
+
+    def __getitem__(self, i):
+        return self.values[i]
+
+    def __setitem__(self, i, value):
+        self.values[i] = value
+
+    def fill(self, value):
+        import numpy as np
+
+        self.values = [np.full(128, float(value)) for _ in self.values]
+
+
+def _segment_program(kind, segment, paired):
+    reduce = {"sum": cc.row_sum, "sumsq": cc.row_sumsq, "max": cc.row_max, "maxabs": cc.row_maxabs,
+              "logsumexp": cc.row_logsumexp}[kind]
+
+    @cc.epilogue
+    def segments(acc):
+        """One segment reduction, stored as it reads at each pair."""
+        x = acc
+        if paired:  # an N/2-wide value: a segment of `segment` of them spans twice as many columns
+            x0, x1 = cc.pairs(acc)
+            x = x0 * x1
+        return {"D": reduce(x, segment=segment).to(cc.f32), "E": x.to(cc.f32)}  # E: acc after the pass
+
+    return segments
+
+
+@pytest.mark.parametrize("kind,segment,paired", [
+    ("sumsq", 128, False), ("sum", 32, False), ("max", 16, False), ("maxabs", 8, False),
+    ("logsumexp", 64, False), ("sum", 64, True), ("logsumexp", 8, True)])
+@pytest.mark.parametrize("tile", TILES)
+def test_the_segment_reductions_equal_the_reference_when_run_on_cpu_stand_ins(kind, segment, paired, tile):
+    """Run a segment reduction's lines as generated for sm_100a (the tile's declarations, the
+    subtile's pass with its TMEM re-reads, the pair loop's lookup and store) on CPU stand-ins: 128
+    threads in lockstep, each register an array over the threads, tcgen05.ld a copy of subtile s
+    of a random accumulator (thread t row t, register i column 32 s + i) into `acc`.  What the
+    pair loop stores must equal the reference interpreter's value of the reduction."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from coda_cute.reference import evaluate_accumulator
+
+    program = _segment_program(kind, segment, paired)
+    config = BLACKWELL.with_(tile=TILES[tile])
+    ctx = lower(program, config)
+    source = emit(program, config)
+    helpers = "\n".join(re.findall(r"^def (?:where|logsumexp_\w+)\(.*?(?=^\S)", source, re.M | re.S))
+    tile_m, tile_n = TILES[tile]
+    epi_n, threads = ctx.epi_n, 128
+    accumulator = np.random.default_rng(segment).standard_normal((tile_m, tile_n))
+    stored = {name: np.full((tile_m, tile_n), np.nan) for name in "DE"}
+
+    class Copy:  # the TMEM tensor's subtile s, loaded into the registers as tcgen05.ld lays them out
+        def __getitem__(self, coords):
+            return coords[4]
+
+    def copy(atom, subtile, registers):
+        for i in range(epi_n):
+            registers[i] = accumulator[:, epi_n * subtile + i].copy()
+
+    class Stored:  # view_out_X: this thread's row of output X, by accumulator column (N/2: c // 2)
+        def __init__(self, name):
+            self.name = name
+
+        def __setitem__(self, col, value):
+            stored[self.name][:, col // 2 if paired else col] = value
+
+    math = SimpleNamespace(max=np.maximum, abs=np.abs, exp=lambda x, fastmath=False: np.exp(x),
+                           log=lambda x, fastmath=False: np.log(x))
+    namespace = dict(
+        EPI_N=epi_n, TILE_N=tile_n, EPI_SUBTILES=tile_n // epi_n, ctidx=np.arange(threads), row0=0, col0=0, M=tile_m,
+        N=tile_n, t2r=None, tTR_tAcc=Copy(), acc_state=SimpleNamespace(index=0), acc=_Registers(epi_n),
+        view_out_D=Stored("D"), view_out_E=Stored("E"),
+        cutlass=SimpleNamespace(range=lambda *a, unroll=1: range(*a), range_constexpr=range, Float32=lambda x: x,
+                                select_=np.where),
+        cute=SimpleNamespace(copy=copy, make_rmem_tensor=lambda shape, dtype: _Registers(shape[0]), math=math,
+                             arch=SimpleNamespace(fence_view_async_tmem_load=lambda: None)),
+    )
+    exec(helpers, namespace)
+    assert ctx.subtile_segments and not any("shuffle" in line for line in ctx.subtile_segments)
+    code = lambda lines: compile("\n".join(lines), "epilogue", "exec")  # noqa: E731
+    prologue, segments = code(ctx.tile_prologue), code(ctx.subtile_segments)
+    pair_loop = code(["slot0, slot1 = 2 * k, 2 * k + 1", "pair0 = subtile * EPI_N + slot0", "pair1 = pair0 + 1",
+                      *ctx.body])
+    exec(prologue, namespace)
+    for subtile in range(tile_n // epi_n):
+        namespace["subtile"] = subtile
+        copy(None, subtile, namespace["acc"])  # the subtile's own TMEM load
+        exec(segments, namespace)
+        for k in range(epi_n // 2):
+            namespace["k"] = k
+            exec(pair_loop, namespace)
+    expected = evaluate_accumulator(program, torch.from_numpy(accumulator).float()).outputs
+    width = tile_n // 2 if paired else tile_n
+    for name in "DE":
+        assert not np.isnan(stored[name][:, :width]).any(), f"{name}: columns never stored"
+        np.testing.assert_allclose(stored[name][:, :width], expected[name].double().numpy(), rtol=1e-5, atol=1e-5,
+                                   err_msg=name)

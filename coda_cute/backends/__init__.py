@@ -90,10 +90,24 @@ class Backend(ABC):
         exchange step among the threads sharing a row (none where a thread holds whole rows)."""
 
     @abstractmethod
-    def tile_pairs(self) -> list[str]:
-        """Loop headers over every accumulator pair this thread holds in the whole tile (not one
-        subtile: segment reductions run before the subtiles), ``pair0`` and ``pair1`` defined;
-        the body goes three levels in."""
+    def segment_registers(self, acc_cols: int, tile_n: int) -> tuple[str, str]:
+        """(how many registers a segment reduction over ``acc_cols`` accumulator columns takes per
+        thread, which of them holds the segment of the pair at the pair loop's step): one per
+        row and segment that one pass of ``segment_pass`` covers."""
+
+    @abstractmethod
+    def segment_pass(self, acc_cols: int, body: list[str]) -> list[str]:
+        """Lines that run ``body`` (a segment reduction's update at one pair: the accumulator
+        lanes, ``pair0`` and ``pair1`` defined) for every pair of this thread's rows in the
+        segments one pass covers."""
+
+    @abstractmethod
+    def segment_scope(self, acc_cols: int, label: str, init: list[tuple[str, str]],
+                      lines: list[str]) -> tuple[list[str], list[str]]:
+        """Where a segment reduction runs: (lines of the tile's prologue, lines at the start of a
+        subtile, once its accumulator is in registers), given its registers' ``init`` (pairs of a
+        declaration and a reset) and its ``lines`` (``segment_pass`` and the fold over the
+        threads sharing a row); ``label`` names it in a comment."""
 
     @abstractmethod
     def column_slot(self, reg: str, lane: int) -> str:
@@ -104,6 +118,10 @@ class Backend(ABC):
     def column_exchange(self, kind: str, reg: str, epi_n: int, offset: str = "") -> list[str]:
         """Lines that fold a subtile's per-thread column values ``reg`` over the threads sharing
         each column and park each warp's totals in ``col_scratch`` from ``offset``."""
+
+    @abstractmethod
+    def table_value(self, frag: str, slot: str) -> str:
+        """The entry ``slot`` of table fragment ``frag`` that the pair loop reads (the subtile's)."""
 
     @abstractmethod
     def table_gather(self, tables: list[dict], slot: Callable, read: Callable) -> list[str]:

@@ -20,10 +20,20 @@ Tile inputs.  A seventh warp (EPI_LOAD_WARP) loads each subtile of every tile in
 into its smem ring (IN_STAGES deep), running ahead of the epilogue; an epilogue thread reads
 its row of the subtile from there (N-wide 16-bit inputs copied to registers first, laid out as
 the TMEM load lays out the accumulator).
+
+Tables.  Gathered, a table is a per-thread load of its row's entries: one register per column
+pair of the subtile and lane, loaded a subtile ahead (``table_gather``).  Staged in smem
+(``stage_tables``), it is a tile input whose TMA slice is the table's (row block, column block).
+
+Segment reductions.  A thread holds whole rows, so a segment's reduction needs no exchange:
+it runs at the segment's first subtile, thread-local, over the segment's subtiles re-read from
+TMEM (``segment_pass``); its one register per row and segment is read by the pair loop of that
+segment's subtiles.  Segments narrower than a subtile are reduced from the subtile's registers.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 from ..config import SMEM_BYTES, KernelConfig
@@ -54,7 +64,7 @@ class SM100(Backend):
     template = "sm100_gemm.py.j2"
     defaults = ((128, 256), (1, 1), "cooperative")
     acc_lanes = ("acc[slot0]", "acc[slot1]")
-    table_slot = "slot0"  # tables are refused (plan_smem)
+    table_slot = "k"  # the pair's step in the subtile: a table fragment holds one subtile of the row
     row_registers = "1"  # a thread holds one row
     row_register = "0"
     row_sharing = "one thread holds the whole row"
@@ -131,8 +141,48 @@ class SM100(Backend):
                 "if row < M and col0 < N:",
                 *("    " + line for line in read + write)]
 
-    def tile_pairs(self) -> list[str]:
-        raise UnsupportedError(f"segment reductions are not lowered to {self.arch} yet")
+    def segment_registers(self, acc_cols: int, tile_n: int) -> tuple[str, str]:
+        # one pass covers one segment of the row, or a subtile's worth of narrower ones
+        per_subtile = EPI_N // acc_cols
+        return (str(per_subtile), f"slot0 // {acc_cols}") if per_subtile > 1 else ("1", "0")
+
+    def segment_pass(self, acc_cols: int, body: list[str]) -> list[str]:
+        """A segment within a subtile reads the subtile's registers.  A wider one is re-read from
+        TMEM, a subtile at a time, at its first subtile: keeping its values in registers instead
+        (128 for a 128-column head) would need the subtile loop unrolled, which spilled registers
+        beside a running log-sum-exp (see the template), and a 32-column TMEM load costs little.
+        The pass reads the segment's other subtiles first and this one last, so that ``acc``
+        ends holding this subtile again for the pair loop."""
+        def reads(name: str) -> bool:
+            return any(re.search(rf"\b{name}\b", line.split("#", 1)[0]) for line in body)
+
+        def pairs(subtile: str) -> list[str]:
+            columns = [f"pair0 = {subtile} * EPI_N + slot0"] if reads("pair0") or reads("pair1") else []
+            columns += ["pair1 = pair0 + 1"] if reads("pair1") else []  # the tile columns, where read
+            return ["for k in cutlass.range_constexpr(EPI_N // 2):",
+                    "    slot0, slot1 = 2 * k, 2 * k + 1",
+                    *("    " + line for line in columns),
+                    *("    " + line for line in body)]
+
+        span = acc_cols // EPI_N
+        if span <= 1:
+            return pairs("subtile")
+        return [f"for step in cutlass.range(1, {span + 1}, unroll=1):",
+                f"    seg_subtile = subtile + step % {span}  # the segment's next subtiles, this one last",
+                "    cute.copy(t2r, tTR_tAcc[(None, None, None, 0, seg_subtile, acc_state.index)], acc)",
+                "    cute.arch.fence_view_async_tmem_load()",
+                *("    " + line for line in pairs("seg_subtile"))]
+
+    def segment_scope(self, acc_cols: int, label: str, init: list[tuple[str, str]],
+                      lines: list[str]) -> tuple[list[str], list[str]]:
+        """Registers declared per tile; the reduction at each segment's first subtile, within it."""
+        span = acc_cols // EPI_N
+        tile = [f"# {label}: registers for the row's current segment", *(declare for declare, _ in init)]
+        resets = [reset for _, reset in init]
+        if span <= 1:
+            return tile, [f"# {label}, within this subtile", *resets, *lines]
+        return tile, [f"# {label}, at the segment's first subtile: over its {span} subtiles",
+                      f"if subtile % {span} == 0:", *("    " + line for line in resets + lines)]
 
     def column_slot(self, reg: str, lane: int) -> str:
         return f"{reg}[slot{lane}]"  # register i holds column EPI_N * subtile + i, as acc does
@@ -140,10 +190,26 @@ class SM100(Backend):
     def column_exchange(self, kind: str, reg: str, epi_n: int, offset: str = "") -> list[str]:
         return lane_column_exchange(kind, reg, epi_n, offset)
 
+    def table_value(self, frag: str, slot: str) -> str:
+        return f"{frag}[{slot}]"
+
     def table_gather(self, tables: list[dict], slot: Callable, read: Callable) -> list[str]:
-        if tables:
-            raise UnsupportedError(f"table operands are not lowered to {self.arch} yet")
-        return []
+        """Into the fragments, one entry per column pair of this thread's row (EPI_N // 2).  The
+        template runs them for the first subtile before it waits for the accumulator (the row and
+        columns are known; the MMAs are still running), for the others once the subtile before
+        has read the fragments and issued its store: one buffer, whose loads are in flight across
+        the next subtile's TMEM load and barriers (the subtile loop is rolled: a second buffer
+        indexed by subtile parity would be a dynamic index into registers, i.e. local memory)."""
+        if not tables:
+            return []
+        lines = ["row = row0 + ctidx",
+                 "for k in cutlass.range_constexpr(EPI_N // 2):",
+                 "    col = col0 + gather_subtile * EPI_N + 2 * k  # the pair's first accumulator column",
+                 f"    table_slot = {self.table_slot}"]
+        for t in tables:
+            for k, col in enumerate(t["cols"]):
+                lines.append(f"    {self.table_value(t['frag'], slot(len(t['cols']), k))} = {read(t['gmem'], col)}")
+        return lines
 
 
 def check_supported(program: Program, config: KernelConfig) -> None:
@@ -160,12 +226,6 @@ def check_supported(program: Program, config: KernelConfig) -> None:
                                "kernel runs the epilogue beside the MMAs already (use cooperative)")
     if ACC_STAGES * config.tile[1] > TMEM_COLUMNS:
         raise UnsupportedError(f"tile {config.tile}: {ACC_STAGES} accumulators exceed {TMEM_COLUMNS} TMEM columns")
-    for op in program.operands:
-        if op.kind == "table":
-            raise UnsupportedError(f"operand {op.name!r}: tables are not lowered to {arch} yet")
-    for node in program.nodes:
-        if node.op == "segreduce":
-            raise UnsupportedError(f"{node.describe()}: segment reductions are not lowered to {arch} yet")
 
 
 def lane_column_exchange(kind: str, reg: str, epi_n: int, offset: str = "") -> list[str]:

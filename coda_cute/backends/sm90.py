@@ -75,12 +75,28 @@ class SM90(Backend):
     def row_fold(self, fold: list[str]) -> list[str]:
         return ["for offset in cutlass.range_constexpr(1, 3):", *("    " + line for line in fold)]
 
-    def tile_pairs(self) -> list[str]:
+    def segment_registers(self, acc_cols: int, tile_n: int) -> tuple[str, str]:
+        # the whole tile at once: one register per row and segment; a tile-wide segment (one per
+        # row) needs no column term
+        per_tile, groups = tile_n // acc_cols, acc_cols // 8  # 8-column groups j per segment
+        if per_tile == 1:
+            return self.row_registers, self.row_register
+        column = f"{self.column_group} // {groups}" if groups > 1 else self.column_group
+        return f"{self.row_registers} * {per_tile}", f"({self.row_register}) * {per_tile} + {column}"
+
+    def segment_pass(self, acc_cols: int, body: list[str]) -> list[str]:
+        """Every pair of the whole tile: the accumulator is in registers."""
         return ["for m_block in cutlass.range_constexpr(mma_m):",
                 "    for j in cutlass.range_constexpr(TILE_N // 8):",
                 "        for h in cutlass.range_constexpr(2):",
                 "            pair0 = ((0, h, j), m_block, 0)",
-                "            pair1 = ((1, h, j), m_block, 0)"]
+                "            pair1 = ((1, h, j), m_block, 0)",
+                *("            " + line for line in body)]
+
+    def segment_scope(self, acc_cols: int, label: str, init: list[tuple[str, str]],
+                      lines: list[str]) -> tuple[list[str], list[str]]:
+        """All in the tile's prologue, before the subtiles."""
+        return [f"# {label}, over the whole tile", *(line for pair in init for line in pair), *lines], []
 
     def column_slot(self, reg: str, lane: int) -> str:
         return f"{reg}[(j % (EPI_N // 8)) * 2{f' + {lane}' if lane else ''}]"
@@ -97,6 +113,9 @@ class SM90(Backend):
 
     def column_exchange(self, kind: str, reg: str, epi_n: int, offset: str = "") -> list[str]:
         return warp_column_exchange(kind, reg, epi_n, offset)
+
+    def table_value(self, frag: str, slot: str) -> str:
+        return f"{frag}[({slot}, subtile % 2)]"
 
     def table_gather(self, tables: list[dict], slot: Callable, read: Callable) -> list[str]:
         """Into stage ``gather_subtile % 2`` of each table's register fragment.  The template runs
