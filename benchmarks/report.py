@@ -34,6 +34,12 @@ HERE = Path(__file__).resolve().parent
 #: the newest archived run of each kind for each d, newest first (paths relative to benchmarks/);
 #: an entry may be (path, note), the note printed under that file's tables' heading
 INPUTS = [
+    ("results/archive/2026-12-06c-h100-d4096-block-4492b3a.json",
+     "On an H100 80GB HBM3 (no H200 was lent that day): compare within this table only. 3 repetitions; "
+     "wall times spread 2-8 % (the floor's 16-21 %)."),
+    ("results/archive/2026-12-06c-h100-d2048-block-4492b3a.json",
+     "On an H100 80GB HBM3 (no H200 was lent that day): compare within this table only. 3 repetitions; "
+     "wall times spread 1-11 %."),
     ("results/archive/2026-12-06b-h100-d4096-mlp-62245be.json",
      "On an H100 80GB HBM3 (no H200 was lent that day): compare within this table only. 3 repetitions."),
     ("results/archive/2026-12-06-h100-d4096-block-a2167ed.json",
