@@ -17,7 +17,8 @@ backward for the block, on ready-made operands: nothing else).  Before timing, c
 checked against eager PyTorch (output and input gradient, relative norm < 2e-2).
 
 Per contender (JSON row per case and d; see `measure_case`): wall time (`triton.testing.do_bench`,
-median over --reps interleaved repetitions, spread = (max - min) / median); GPU time (torch.profiler:
+the median step of 300 ms after 150 ms of steps to settle the clock, median over --reps interleaved
+rounds, each starting one contender later; spread = (max - min) / median); GPU time (torch.profiler:
 the sum of the kernels of one step) split by `kernel_kind` into GEMM / attention / coda-cute finish /
 other, every "other" and "finish" kernel listed with its time; peak memory of one step above what
 was allocated before it (weights excluded, their gradients included).  Every step starts with the
@@ -459,9 +460,18 @@ def warm_up(case: Case, dropped: dict) -> dict:
     return seconds
 
 
+# Before each timed window a contender steps for STEADY_MS on its own, then TIMED_MS are timed
+# (median step).  The GPUs run these steps at their board power cap, the SM clock following the
+# last fraction of a second's power draw (an H100 at 700 W: 1200-1450 MHz), so a short window
+# measures the contender that ran before as much as this one; and each round starts one
+# contender later, so none always follows the same one.
+STEADY_MS, TIMED_MS = 150, 300
+
+
 def time_interleaved(contenders: dict, reps: int, smoke: bool) -> dict:
     """Wall time per contender, ms: median over `reps` rounds, each round every contender once
-    (do_bench: its mean over ~50 ms of steps; smoke: one perf_counter call), and the spread."""
+    (do_bench: the median step of TIMED_MS after STEADY_MS of steps; smoke: one perf_counter
+    call), and the spread."""
     if smoke:
         def bench(f):
             start = time.perf_counter()
@@ -471,11 +481,13 @@ def time_interleaved(contenders: dict, reps: int, smoke: bool) -> dict:
         from triton.testing import do_bench
 
         def bench(f):
-            return do_bench(f, warmup=5, rep=50)
+            return do_bench(f, warmup=STEADY_MS, rep=TIMED_MS, return_mode="median")
     times = {k: [] for k in contenders}
-    for _ in range(reps):
-        for name, f in contenders.items():
-            times[name].append(bench(f))
+    names = list(contenders)
+    for round_ in range(reps):
+        start = round_ % len(names)
+        for name in names[start:] + names[:start]:
+            times[name].append(bench(contenders[name]))
     return {k: {"ms": statistics.median(v), "spread": (max(v) - min(v)) / statistics.median(v)}
             for k, v in times.items()}
 
