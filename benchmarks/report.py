@@ -34,6 +34,12 @@ HERE = Path(__file__).resolve().parent
 #: the newest archived run of each kind for each d, newest first (paths relative to benchmarks/);
 #: an entry may be (path, note), the note printed under that file's tables' heading
 INPUTS = [
+    ("results/archive/2026-12-06d-h100-d4096-block-71eea5d.json",
+     "On an H100 80GB HBM3 (no H200 was lent that day): compare within this table only. 3 rounds of "
+     "300 ms timed after 150 ms of steps; wall times spread 0.8-3 %."),
+    ("results/archive/2026-12-06d-h100-d4096-mlp-71eea5d.json",
+     "On an H100 80GB HBM3 (no H200 was lent that day): compare within this table only. 3 rounds of "
+     "300 ms timed after 150 ms of steps; wall times spread 0.7-8 %."),
     ("results/archive/2026-12-06c-h100-d4096-block-4492b3a.json",
      "On an H100 80GB HBM3 (no H200 was lent that day): compare within this table only. 3 repetitions; "
      "wall times spread 2-8 % (the floor's 16-21 %)."),
