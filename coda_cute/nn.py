@@ -112,10 +112,13 @@ class _LlamaMLPFunction(torch.autograd.Function):
         ctx.save_for_backward(h2, rstd, z, gamma, w_gate_up, w_down)
         ctx.shape = h.shape
         ctx.mark_non_differentiable(sumsq_out)
+        ctx.set_materialize_grads(False)  # no zeros made for the statistics' gradient
         return h_out.reshape(h.shape), sumsq_out.reshape(h.shape[:-1])
 
     @staticmethod
     def backward(ctx, dh_out, _dsumsq):
+        if dh_out is None:  # only the statistics were used
+            return (None,) * 7
         ops = _OPS
         h, rstd, z, gamma, w_gate_up, w_down = ctx.saved_tensors
         d = h.shape[-1]
@@ -348,10 +351,14 @@ class _LinearResidual(torch.autograd.Function):
         ctx.save_for_backward(x2, w)
         ctx.shapes = (x.shape, residual.shape)
         ctx.mark_non_differentiable(sumsq)
+        # no zeros made for the gradients of the statistics and the scaled copy (tokens x d)
+        ctx.set_materialize_grads(False)
         return h_out.reshape(residual.shape), sumsq.reshape(residual.shape[:-1]), scaled
 
     @staticmethod
     def backward(ctx, dh_out, _dsumsq, _dscaled):
+        if dh_out is None:  # only the statistics or the scaled copy were used
+            return None, None, None, None
         x, w = ctx.saved_tensors
         dy = dh_out.reshape(-1, dh_out.shape[-1]).to(x.dtype).contiguous()
         dx = dy @ w  # plain GEMMs: cuBLAS (module docstring)

@@ -204,6 +204,30 @@ def test_cross_entropy_grad_is_the_cross_entropy_bwd_program(gen):
     torch.testing.assert_close(logits, want.outputs["D"], rtol=1e-5, atol=1e-6)
 
 
+def test_block_backward_makes_no_zero_gradients_for_its_statistics_or_scaled_input():
+    """The residual GEMMs' statistics and the O projection's scaled copy of h (tokens x d) take no
+    gradient: autograd must not fill zeros for them (set_materialize_grads(False))."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(word in str(func) for word in ("zero", "fill", "full")):
+                self.made.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    block = LlamaBlock(64, 4, 128, n_kv_heads=2, dtype=torch.float32, max_positions=16)
+    h = torch.randn(2, 16, 64, requires_grad=True)
+    out, _ = block(h)
+    with Fills() as fills:
+        out.backward(torch.randn_like(out))
+    assert fills.made == [] and h.grad is not None
+
+
 def test_saved_logits_become_their_gradient_so_a_second_backward_is_refused(gen):
     """The backward writes d logits over the saved logits: a second backward through the same
     graph gets PyTorch's own error, never gradients from overwritten logits."""
