@@ -36,7 +36,7 @@ The JSON: {"meta": {date, gpu, torch, commit, command}, "rows": [...]}, a row pe
              <coda-cute contender>: {"under_wall", "under_gpu", "peak_ratio"}},
      "warm_up_s": {contender: s}, "dropped": {contender: why}}
 (contenders: coda-cute, coda-cute derived (MLP: the same math as two programs of the user's kind,
-trained with derived backwards through nn.EpilogueChain), coda-cute lean (LM), torch eager,
+trained with derived backwards through nn.EpilogueChain, the norm's glue torch.compiled), coda-cute lean (LM), torch eager,
 torch.compile, torch.compile max-autotune-no-cudagraphs, Liger, floor; in --smoke only ms and
 spread are measured, the rest null).
 
@@ -276,19 +276,24 @@ def rms_swiglu(acc, rstd: cc.RowVec):
     return cc.silu(gate) * up
 
 
-def _derived_mlp(mlp: LlamaMLP):
+def _derived_mlp(mlp: LlamaMLP, smoke: bool):
     """The Llama MLP as a user would write it: two forward programs (rms_swiglu, then the library's
     residual_sumsq), their backwards derived (nn.EpilogueChain), the norm's statistics and gamma
-    in PyTorch.  Shares `mlp`'s weights."""
+    in PyTorch, compiled (torch.compile fuses that glue into one kernel each way; smoke: the
+    aot_eager backend).  Shares `mlp`'s weights."""
     d, ffn = mlp.w_down.shape
     chain = EpilogueChain([rms_swiglu, library.get("residual_sumsq")], d, [2 * ffn, d], outputs=["D"],
                           device=mlp.w_down.device, dtype=mlp.w_down.dtype)  # sumsq: a statistic
     chain.weights[0], chain.weights[1] = mlp.w_gate_up, mlp.w_down
 
+    def norm(x2, gamma):
+        return torch.rsqrt(x2.float().square().mean(-1) + mlp.eps), x2 * gamma
+    norm = torch.compile(norm, dynamic=False, **(dict(backend="aot_eager") if smoke else {}))
+
     def derived(x):
         x2 = x.reshape(-1, d)
-        rstd = torch.rsqrt(x2.float().square().mean(-1) + mlp.eps)
-        h, _sumsq = chain(x2 * mlp.gamma, [{"rstd": rstd}, {"residual": x2}])
+        rstd, scaled = norm(x2, mlp.gamma)
+        h, _sumsq = chain(scaled, [{"rstd": rstd}, {"residual": x2}])
         return h.reshape(x.shape)
     return derived
 
@@ -305,7 +310,7 @@ def mlp_case(b: Bench, d) -> Case:
     floor = _mlp_gemms(b.tensor(tokens, d), mlp.w_gate_up.detach(), mlp.w_down.detach(), b.tensor(tokens, d),
                        b.tensor(tokens, ffn), b.tensor(tokens, 2 * ffn))
     c = {CODA: b.fwd_bwd(mlp, mlp.parameters(), check=True),
-         f"{CODA} derived": b.fwd_bwd(_derived_mlp(mlp), mlp.parameters(), check=True), EAGER: b.fwd_bwd(eager, p),
+         f"{CODA} derived": b.fwd_bwd(_derived_mlp(mlp, b.smoke), mlp.parameters(), check=True), EAGER: b.fwd_bwd(eager, p),
          **b.compiled(eager, p, b.fwd_bwd)}
     if b.liger:
         c["Liger"] = b.fwd_bwd(_liger_mlp(b.liger, *p, mlp.eps), p, check=True)
