@@ -50,6 +50,7 @@ def test_report_renders_ops_block_and_runtime_files(tmp_path):
     assert "| block forward+backward | torch.compile | 5.750 | 5 % | 1.000 | - | - |" in text
     assert "| gemm | 0.9 | 1.0 | 41.0 | 9.0 / 4.0 / 23.0 / 5.0 | - |" in text and "| gemm | 13.9 | 14.1 | - | - |" in text
     assert "gone.json`: **missing**" in text and "gone.json: missing" in done.stderr
+    assert "sm_100a (Blackwell) kernels are\ncompile-verified only" in text, "RESULTS must say Blackwell never ran"
 
 
 def test_default_inputs_exist_and_results_md_is_current(tmp_path):
