@@ -20,8 +20,8 @@ the forward's GEMM again with the gradient in its epilogue, before the two GEMMs
 from __future__ import annotations
 
 import inspect
+import math
 import threading
-from fractions import Fraction
 
 import torch
 
@@ -88,9 +88,8 @@ def _register(program: Program, name: str, overwrite: dict):
         made = []
         for o in outputs:
             arg = arguments[o.name]
-            shape = [n * d.numerator // d.denominator if isinstance(d, Fraction) else d for d in arg.dims]  # n: symbolic
-            shape = [*batch, *shape[1:]] if shape[0] == "M" else shape
-            made.append(a.new_empty(tuple(shape), dtype=TORCH_DTYPES[arg.dtype]))
+            shape = arg.shape(math.prod(batch), n, a.shape[-1], KernelConfig.tile)  # outputs need no tile
+            made.append(a.new_empty((*batch, *shape[1:]) if arg.dims[0] == "M" else shape, dtype=TORCH_DTYPES[arg.dtype]))
         return None if not made else made[0] if len(made) == 1 else tuple(made)
 
     # "__" cannot be in a program's names, so A and B never collide with an operand's

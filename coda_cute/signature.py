@@ -50,8 +50,8 @@ class Argument:
         along_n = self.dims[-1] == "M"  # a row reduction's partials: one per tile along N
 
         def extent(dim):
-            if isinstance(dim, Fraction):
-                return int(n * dim)
+            if isinstance(dim, Fraction):  # integer arithmetic: n may be a symbolic size (torch's fake tensors)
+                return n * dim.numerator // dim.denominator
             if dim == TILES:
                 return -(-n // tile[1]) if along_n else -(-m // tile[0])
             if dim in ("M", "N", "K"):
