@@ -360,7 +360,7 @@ def gpu_model(device: torch.device, arch: str = KernelConfig.arch) -> str:
     kernels of ``arch``: the device must have its backend's compute capability."""
     props = torch.cuda.get_device_properties(device)
     target = backend(arch)
-    if (props.major, props.minor) != target.capability:
+    if device_arch(device) != target.arch:  # (an unknown capability is refused there)
         raise UnsupportedError(f"{props.name} is sm_{props.major}{props.minor}; coda-cute kernels target "
                                f"{target.arch} ({target.generation})")
     models = [model for model in GPUS if GPU_ARCHS[model] == target.arch]
