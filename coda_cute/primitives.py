@@ -102,9 +102,10 @@ def _d_gelu(g, args, y, cc):
 
 
 def _d_gelu_tanh(g, args, y, cc):
+    """s + x s (1 - s) 2 z'(x), with s = sigmoid(2 z) = 0.5 (1 + tanh(z)), z = 0.79788 (x + 0.044715 x^3)."""
     (x,) = args
-    t = cc.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
-    return (g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)),)
+    s = cc.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+    return (g * (s + x * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 3.0 * 0.044715 * x * x)),)
 
 
 def _d_silu(g, args, y, cc):
@@ -162,8 +163,10 @@ ELEMENTWISE: dict[str, ElementwiseOp] = {op.name: op for op in [
                   "0.5 * {0} * (1.0 + cute.math.erf({0} * 0.7071067811865476))",
                   doc="GELU, exact: x * Phi(x) with the normal distribution's CDF.",
                   derivative=_d_gelu),
+    # 0.5 * (1 + tanh(z)) = sigmoid(2 z): the fast exp and reciprocal sigmoid uses, no tanh
+    # polynomial, and no cancellation in GELU's negative tail (1 + tanh(z) near 0)
     ElementwiseOp("gelu_tanh", _X, "float", lambda x: F.gelu(_real(x), approximate="tanh"),
-                  "0.5 * {0} * (1.0 + cute.math.tanh(0.7978845608028654 * ({0} + 0.044715 * {0} * {0} * {0})))",
+                  "{0} * sigmoid(1.5957691216057308 * ({0} + 0.044715 * {0} * {0} * {0}))", helpers=("sigmoid",),
                   doc="GELU, tanh approximation (PyTorch's approximate='tanh').",
                   derivative=_d_gelu_tanh),
     ElementwiseOp("silu", _X, "float", lambda x: F.silu(_real(x)), "{0} * sigmoid({0})", helpers=("sigmoid",),
