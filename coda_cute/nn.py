@@ -35,13 +35,13 @@ through ``torch.matmul``: coda-cute's own plain GEMM runs at 0.97-1.01x cuBLAS o
 ``LlamaAttention`` does the same for the attention half: `rms_rope_qkv` (norm scale and
 RoPE in the QKV GEMM's epilogue; q/k weight rows in interleaved-pair order, see
 ``rotate_half_to_interleaved``), PyTorch SDPA for attention itself, and `residual_sumsq`
-for the O projection (`residual_sumsq_scaled` in a block, see step 2); q, k and v are views of the one buffer the QKV GEMM wrote.  RoPE's
-backward (the inverse rotation of dq, dk) acts on the QKV dgrad's *input*: `qkv_gradient`
-rotates dq and dk back and lays dq, dk, dv out as that GEMM's input in one compiled pass
-(no concatenation), taking the norm's row statistic sum(dq * q + dk * k + dv * v) on the way
-(a rotation keeps dot products), and the dgrad's epilogue is `rmsnorm_bwd_rowdot` as in the MLP: the
-residual stream h passes through the QKV step's autograd function, so its gradient arrives
-there to join in the epilogue.
+for the O projection (`residual_sumsq_scaled` in a block, see step 2); q, k and v are
+views of the one buffer the QKV GEMM wrote.  RoPE's backward (the inverse rotation of dq,
+dk) acts on the QKV dgrad's *input*: `qkv_gradient` rotates dq and dk back and lays dq, dk,
+dv out as that GEMM's input in one compiled pass (no concatenation), taking the norm's row
+statistic sum(dq * q + dk * k + dv * v) on the way (a rotation keeps dot products), and the
+dgrad's epilogue is `rmsnorm_bwd_rowdot` as in the MLP: the residual stream h passes through
+the QKV step's autograd function, so its gradient arrives there to join in the epilogue.
 ``LlamaBlock`` chains the two, passing the residual statistics from one to the next.
 
 On CPU tensors every program runs in the reference interpreter, so the modules also
@@ -92,8 +92,8 @@ def _heads(w: torch.Tensor, head_dim: int) -> int:
 
 # registered at import, so torch.compile traces straight to the ops (no file access while tracing)
 _OPS = {name: library_op(library.get(name))
-        for name in ("rms_swiglu_save", "residual_sumsq", "residual_sumsq_scaled", "rmsnorm_bwd_rowdot", "cross_entropy_stats",
-                     "cross_entropy_stats_save", "cross_entropy_bwd")}
+        for name in ("rms_swiglu_save", "residual_sumsq", "residual_sumsq_scaled", "rmsnorm_bwd_rowdot",
+                     "cross_entropy_stats", "cross_entropy_stats_save", "cross_entropy_bwd")}
 # the pre-activation's gradient written over the saved pre-activation (ops.library_op): one
 # tokens x 2 ffn buffer instead of two through the backward
 _OPS["swiglu_bwd_recompute"] = library_op(library.get("swiglu_bwd_recompute"), overwrite={"D": "preact"})

@@ -89,7 +89,8 @@ def _register(program: Program, name: str, overwrite: dict):
         for o in outputs:
             arg = arguments[o.name]
             shape = arg.shape(math.prod(batch), n, a.shape[-1], KernelConfig.tile)  # outputs need no tile
-            made.append(a.new_empty((*batch, *shape[1:]) if arg.dims[0] == "M" else shape, dtype=TORCH_DTYPES[arg.dtype]))
+            shape = (*batch, *shape[1:]) if arg.dims[0] == "M" else shape
+            made.append(a.new_empty(shape, dtype=TORCH_DTYPES[arg.dtype]))
         return None if not made else made[0] if len(made) == 1 else tuple(made)
 
     # "__" cannot be in a program's names, so A and B never collide with an operand's
