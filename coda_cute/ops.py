@@ -317,8 +317,11 @@ class _ChainFunction(torch.autograd.Function):
             if i == n - 1 and d.accumulator == "upstream":  # an elementwise pass over the gradient
                 given = {operand.name: values[operand.name] for operand in d.backward.operands}
                 out, grad = next((o, g) for o, g in zip(d.program.outputs, grads) if o.name == d.grad_of)
-                acc = _output_gradient(out, grad, inputs[i], weights[i])
-                found = d.assemble(evaluate_accumulator(d.backward, acc, given).outputs)
+                acc = _output_gradient(out, grad, inputs[i], weights[i])  # in the inputs' dtype
+                if _hands_on(d.backward):  # e.g. a residual add's: the gradient itself, no pass
+                    found = d.assemble({o.name: acc for o in d.backward.outputs})
+                else:
+                    found = d.assemble(evaluate_accumulator(d.backward, acc, given).outputs)
             else:
                 if i == n - 1:  # its GEMM again
                     a, b = inputs[i], weights[i]
@@ -366,6 +369,13 @@ def _overwrite(d: Derivative, last: bool) -> dict[str, str]:
     if (out.dtype or "in") != "in" or operand.kind != "tile" or operand.width != out.node.width:
         return {}
     return {out.name: saved}
+
+
+def _hands_on(backward: Program) -> bool:
+    """Whether every output of a backward program is its accumulator (the upstream gradient) in
+    the input dtype, which that gradient already has: nothing to compute."""
+    return not backward.operands and all(
+        o.node.op == "cast" and o.node.attrs == ("in",) and o.node.args[0].op == "acc" for o in backward.outputs)
 
 
 def _kept(d: Derivative) -> list[str]:

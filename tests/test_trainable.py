@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import coda_cute as cc
 from coda_cute import library
 from coda_cute.ops import trainable
+from coda_cute.reference import evaluate_accumulator
 
 from random_programs import random_program
 
@@ -209,9 +210,17 @@ def test_epilogue_chain_module_trains_like_the_chain():
         EpilogueChain([soft_cap, soft_cap], 8, [8])
 
 
-def test_last_layer_without_forward_values_is_an_elementwise_pass():
+def test_last_layer_without_forward_values_is_an_elementwise_pass(monkeypatch):
     """A residual add as the last layer (its sum of squares a statistic): its backward reads no
-    value of the forward, so it runs over the gradient itself, no GEMM again; gradients as ever."""
+    value of the forward, so it runs over the gradient itself, no GEMM again, and as it only
+    hands the gradient on (d_acc = acc in the input dtype), not even an elementwise pass;
+    gradients as ever."""
+    import coda_cute.ops as ops_module
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a backward that hands the gradient on needs no elementwise pass")
+
+    monkeypatch.setattr(ops_module, "evaluate_accumulator", no_pass)
     residual_sumsq = library.get("residual_sumsq")
     chain = cc.ops.trainable_chain([geglu, residual_sumsq], outputs=["D"])
     assert [layer.accumulator for layer in chain.layers] == ["upstream", "upstream"]
@@ -230,6 +239,40 @@ def test_last_layer_without_forward_values_is_an_elementwise_pass():
     (h * g).sum().backward()
     (h_ref * g).sum().backward()
     for name, a, b in zip(("x", "w1", "w2", "rstd"), mine, ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=2e-4, atol=2e-4, msg=lambda msg: f"d {name}: {msg}")
+
+
+@cc.epilogue
+def bias_add(acc, bias: cc.ColVec):
+    """acc + bias: its backward reads only the gradient (d bias a column sum of it)."""
+    return acc + bias
+
+
+def test_last_layer_elementwise_pass_with_a_reduction(monkeypatch):
+    """A bias add as the last layer: an elementwise pass over the gradient that also reduces its
+    columns for d bias (the reference interpreter runs it); gradients as autograd's."""
+    import coda_cute.ops as ops_module
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].name)
+        return evaluate_accumulator(*args, **kwargs)
+
+    monkeypatch.setattr(ops_module, "evaluate_accumulator", counted)
+    chain = cc.ops.trainable_chain([soft_cap, bias_add])
+    assert [layer.accumulator for layer in chain.layers] == ["upstream", "upstream"]
+    gen = torch.Generator().manual_seed(3)
+    x, w1, w2 = torch.randn(12, 8, generator=gen), torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)
+    b1, b2 = torch.randn(8, generator=gen), torch.randn(8, generator=gen)
+    mine, ref = [_leaf(t) for t in (x, w1, w2, b1, b2)], [_leaf(t) for t in (x, w1, w2, b1, b2)]
+    h = chain(mine[0], mine[1:3], [{"bias": mine[3]}, {"bias": mine[4]}])
+    h_ref = (3.0 * torch.tanh((ref[0] @ ref[1].t() + ref[3]) / 3.0)) @ ref[2].t() + ref[4]
+    g = torch.randn(h.shape, generator=gen)
+    (h * g).sum().backward()
+    (h_ref * g).sum().backward()
+    assert calls == ["bias_add_backward"]
+    for name, a, b in zip(("x", "w1", "w2", "b1", "b2"), mine, ref):
         torch.testing.assert_close(a.grad, b.grad, rtol=2e-4, atol=2e-4, msg=lambda msg: f"d {name}: {msg}")
 
 
