@@ -252,10 +252,15 @@ def test_a_hopper_gpu_is_refused_for_sm100_kernels(monkeypatch):
 def test_the_emitted_sm100_module_reads_like_hopper_one():
     for name in ("gemm", "cross_entropy_stats_save", "swiglu_save", "rms_scale_gamma", "alpha_beta",
                  "rmsnorm_bwd_residual", "swiglu_bwd_recompute", "rope_qkv", "qk_rmsnorm"):
-        source = emit(library.get(name), BLACKWELL)
-        assert all(len(line) <= 100 for line in source.splitlines()), name
-        assert "--arch sm_100a --gpu B200" in source and "Compile-verified for sm_100a" in source
-        assert "tcgen05" in source and "warpgroup" not in source
+        for config in (BLACKWELL, PAIR, BLACKWELL.with_(cluster=(2, 1))):
+            source = emit(library.get(name), config)
+            assert all(len(line) <= 100 for line in source.splitlines()), name
+            assert "--arch sm_100a --gpu B200" in source and "Compile-verified for sm_100a" in source
+            assert "tcgen05" in source and "warpgroup" not in source
+            # a cluster's CTAs find their place in it, and multicast exactly where one CTA per tile shares A or B
+            assert ("cta_in_cluster" in source) == (config.cluster != (1, 1)), name
+            assert ("mcast_mask=" in source) == (config.cluster != (1, 1)), name
+            assert ("is_leader_cta" in source) == (config.tile[0] == 256), name
     row_sums = emit(library.get("cross_entropy_stats"), BLACKWELL)
     assert "shuffle" not in row_sums  # a thread holds whole rows: no exchange
     assert "part_lse[(0, tile_n, row)] = row_max" in row_sums
