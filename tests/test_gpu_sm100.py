@@ -40,8 +40,10 @@ BLACKWELL = KernelConfig(arch="sm_100a", gpu="B200", tile=TILES[0], cluster=(1, 
 
 
 def _builds(program) -> bool:
+    """Whether it builds at both configurations the random compositions run at."""
     try:
-        lower(program, BLACKWELL)
+        for tile, cluster in (CONFIGS[0], CONFIGS[2]):
+            lower(program, BLACKWELL.with_(tile=tile, cluster=cluster))
         return True
     except UnsupportedError:
         return False

@@ -165,6 +165,12 @@ def test_sm100_plans_input_rings_beside_the_mainloop_stages():
         assert (cfg["ab_stages"], cfg["epi_stages"], cfg["in_stages"]) == stages, (name, tile)
     cfg = lower(library.get("residual_sumsq"), BLACKWELL.with_(in_stages=8)).cfg
     assert (cfg["in_stages"], cfg["ab_stages"]) == (8, 3)
+    # a CTA pair: each CTA's stage holds its 128 rows of A and half of B's columns, so more fit
+    for name, tile, stages in (("residual_sumsq", (256, 256), (5, 2, 4)), ("rmsnorm_bwd_residual", (256, 256), (4, 2, 4)),
+                               ("swiglu_bwd_recompute", (256, 256), (4, 2, 2)), ("gemm", (256, 256), (6, 2, 0)),
+                               ("gemm", (256, 128), (8, 2, 0))):
+        cfg = lower(library.get(name), PAIR.with_(tile=tile)).cfg
+        assert (cfg["ab_stages"], cfg["epi_stages"], cfg["in_stages"]) == stages, (name, tile)
 
 
 @pytest.mark.compile
@@ -484,7 +490,7 @@ def _segment_program(kind, segment, paired):
 @pytest.mark.parametrize("kind,segment,paired", [
     ("sumsq", 128, False), ("sum", 32, False), ("max", 16, False), ("maxabs", 8, False),
     ("logsumexp", 64, False), ("sum", 64, True), ("logsumexp", 8, True)])
-@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("tile", [*TILES, "256x128-2x1"])
 def test_the_segment_reductions_equal_the_reference_when_run_on_cpu_stand_ins(kind, segment, paired, tile):
     """Run a segment reduction's lines as generated for sm_100a (the tile's declarations, the
     subtile's pass with its TMEM re-reads, the pair loop's lookup and store) on CPU stand-ins: 128
@@ -499,11 +505,11 @@ def test_the_segment_reductions_equal_the_reference_when_run_on_cpu_stand_ins(ki
     from coda_cute.reference import evaluate_accumulator
 
     program = _segment_program(kind, segment, paired)
-    config = BLACKWELL.with_(tile=TILES[tile])
+    config = PAIR if tile == "256x128-2x1" else BLACKWELL.with_(tile=TILES[tile])
     ctx = lower(program, config)
     source = emit(program, config)
     helpers = "\n".join(re.findall(r"^def (?:where|logsumexp_\w+)\(.*?(?=^\S)", source, re.M | re.S))
-    tile_m, tile_n = TILES[tile]
+    tile_m, tile_n = backend("sm_100a").cta_tile(config.tile)  # one CTA's rows: a pair's CTA drains 128
     epi_n, threads = ctx.epi_n, 128
     accumulator = np.random.default_rng(segment).standard_normal((tile_m, tile_n))
     stored = {name: np.full((tile_m, tile_n), np.nan) for name in "DE"}
