@@ -316,6 +316,7 @@ def test_fragment_mapping_matches_the_tmem_load_partition(mma_m, tile_n):
     from cutlass.utils.gemm.sm100 import transform_partitioned_tensor_layout
 
     rows, epi_n, pair = 128, 32, mma_m // 128
+    ranks = tuple(range(pair))  # the CTAs of the pair: a Python loop at trace time
     found = []
 
     @cute.jit
@@ -328,7 +329,7 @@ def test_fragment_mapping_matches_the_tmem_load_partition(mma_m, tile_n):
         tAcc_epi = cute.flat_divide(transform_partitioned_tensor_layout(tmem), (rows, epi_n))
         atom = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(epi_n)), cutlass.Float32)
         t2r = tcgen05.make_tmem_copy(atom, tAcc_epi[(None, None, 0, 0)])
-        for v in cutlass.range_constexpr(pair):
+        for v in ranks:
             coords = tiled_mma.get_slice(v).partition_C(cute.make_identity_tensor((mma_m, tile_n)))
             subtiles = cute.flat_divide(transform_partitioned_tensor_layout(coords), (rows, epi_n))
             for t in (0, 1, 31, 32, 77, 127):
