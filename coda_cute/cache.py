@@ -378,7 +378,8 @@ def default_candidates(config: KernelConfig) -> list[KernelConfig]:
     then the SPILL_FALLBACKS that hold fewer fp32 accumulators per thread (a kernel with as many
     has no more room for the epilogue), with its cluster and every other field."""
     def accumulators(c: KernelConfig) -> int:
-        return c.tile[0] * c.tile[1] // backend(c.arch).tile_threads(c)
+        rows, cols = backend(c.arch).cta_tile(c.tile)
+        return rows * cols // backend(c.arch).tile_threads(c)
 
     fallbacks = (config.with_(tile=tile, schedule=schedule) for tile, schedule in SPILL_FALLBACKS)
     return [config] + [c for c in fallbacks if accumulators(c) < accumulators(config)]

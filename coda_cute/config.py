@@ -26,9 +26,10 @@ DEFAULT_GPUS = {"sm_90a": "H200", "sm_100a": "B200"}
 INPUT_DTYPES = ("bf16", "f16")
 #: dtypes of tensor operands (row/column vectors, tiles, tables)
 OPERAND_DTYPES = ("bf16", "f16", "f32", "i32")  # i32: vectors of indices only (resolved() checks)
-#: CTA tiles (rows, accumulator columns); cooperative kernels give each 64 rows a consumer
-#: warpgroup, up to two, so a 256-row tile's warpgroups hold two 64-row MMA blocks each
-TILE_SHAPES = ((128, 256), (256, 128), (128, 192), (128, 128), (128, 64), (64, 256), (64, 128))
+#: tiles (rows, accumulator columns); on sm_90a one CTA's: cooperative kernels give each 64 rows
+#: a consumer warpgroup, up to two, so a 256-row tile's warpgroups hold two 64-row MMA blocks
+#: each; on sm_100a a 256-row tile is a CTA pair's (256x256 only there; backends refuse the rest)
+TILE_SHAPES = ((128, 256), (256, 128), (128, 192), (128, 128), (128, 64), (64, 256), (64, 128), (256, 256))
 CLUSTER_SHAPES = ((1, 1), (2, 1), (1, 2))
 SCHEDULES = ("cooperative", "pingpong")
 #: tile-order swizzles: bands of this many cluster columns (rows) walked side by side

@@ -119,7 +119,7 @@ def lower(program: Program, config: KernelConfig) -> Context:
     config = config.check().resolved(program)
     target = backend(config.arch)
     _check_supported(program, config)
-    tile_m, tile_n = config.tile
+    tile_m, tile_n = target.cta_tile(config.tile)  # one CTA's share: what TILE_M and TILE_N name
     ctx, stages, in_stages, ab_stages = _plan_smem(program, config)
     ctx.cfg = dict(
         arch=config.arch, gpu=config.gpu, sm_count=config.sm_count,
@@ -197,7 +197,7 @@ def _class_name(name: str) -> str:
 
 # ----------------------------------------------------------------------------- tensors and smem
 def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> None:
-    tile_m, tile_n = config.tile
+    tile_m, tile_n = backend(config.arch).cta_tile(config.tile)
     read = {node.attrs[0] for node in program.nodes if node.op == "load"}
     for arg in host_arguments(program, config)[2:]:  # after a and b
         unread = "" if arg.role not in ("operand", "scalar") or arg.of in read else " (not read by the program)"

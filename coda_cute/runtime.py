@@ -131,7 +131,7 @@ class Kernel:
                                               self.schedule, arch)
         staged = self.stage_tables is not False and any(op.kind == "table" for op in self.program.operands)
         if staged:
-            reason = stageable_tables(self.program, problem, tile[0])
+            reason = stageable_tables(self.program, problem, backend(arch).cta_tile(tile)[0])
             if reason and self.stage_tables:
                 raise ArgumentError(f"{reason} (or stage_tables=False: gathered)")
             staged = reason is None
@@ -175,12 +175,13 @@ class Kernel:
         problem = bind(self.program, a, b, operands)
         check_outputs(problem, out)
         if not problem.a.is_cuda and not self.strict:
-            return ReferencePlan(self.program, None, None, self.tile or KernelConfig.tile), problem
+            arch = self.arch or (GPU_ARCHS[self.gpu] if self.gpu else KernelConfig.arch)
+            return ReferencePlan(self.program, None, None, backend(arch).cta_tile(self.tile or KernelConfig.tile)), problem
         check_kernel_arguments(problem, out)
         config = self.config_for(problem)
         if not problem.a.is_cuda:
             lower(self.program, config)  # everything the compile would refuse (UnsupportedError)
-            return ReferencePlan(self.program, config, None, config.tile), problem
+            return ReferencePlan(self.program, config, None, backend(config.arch).cta_tile(config.tile)), problem
         config, entry = self.kernel_for(config, problem)
         return CallPlan.build(self.program, problem, config, entry.function, entry.key), problem
 
@@ -274,9 +275,10 @@ class CallPlan:
         """The outputs and partials the kernel's host function takes (``signature``), sized for ``problem``."""
         arguments = host_arguments(program, config)
         m, n, k = problem.m, problem.n, problem.k
-        outputs = [(arg.of, arg.shape(m, n, k, config.tile)[1], TORCH_DTYPES[arg.dtype])
+        tile = backend(config.arch).cta_tile(config.tile)  # partials come per CTA tile
+        outputs = [(arg.of, arg.shape(m, n, k, tile)[1], TORCH_DTYPES[arg.dtype])
                    for arg in arguments if arg.role == "output"]
-        partials = [(arg.of, arg.shape(m, n, k, config.tile)) for arg in arguments if arg.role == "partials"]
+        partials = [(arg.of, arg.shape(m, n, k, tile)) for arg in arguments if arg.role == "partials"]
         reshape = {op.name: tuple(problem.operands[op.name].shape) for op in program.operands if op.kind != "scalar"}
         return cls(program, config, function, key, problem.m, problem.k, problem.batch_shape, problem.a.device,
                    outputs, partials, reshape)
@@ -379,11 +381,12 @@ def fill_config(program: Program, m: int, n: int, tile=None, cluster=None, sched
     """(tile, cluster, schedule) with what the caller left out (None) filled by the defaults for
     an M x N output: a tile alone runs cooperative, a schedule alone gets that schedule's default
     tile, a missing cluster follows the default cluster rule.  An arch whose backend has defaults
-    of its own (``Backend.defaults``) fills from those.  `Kernel` fills its configs here, the CLI
+    of its own (``Backend.defaults``) fills from those (a cluster: ``Backend.default_cluster``).  `Kernel` fills its configs here, the CLI
     through ``runtime_defaults``."""
     fixed = backend(arch).defaults if arch in BACKENDS else None
     if fixed is not None:
-        return tuple(tile or fixed[0]), tuple(cluster or fixed[1]), schedule or fixed[2]
+        tile = tuple(tile or fixed[0])
+        return tile, tuple(cluster or backend(arch).default_cluster(tile)), schedule or fixed[2]
     if tile is not None and schedule is None:
         schedule = "cooperative"
     default = default_tile(program, m, n, schedule)

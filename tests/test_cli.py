@@ -326,7 +326,7 @@ def test_real_process(kind, tmp_path):
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.splitlines() == [
         "coda-cute: error: tile 96x96 is not supported; choose one of 128x256, 256x128, 128x192, 128x128, 128x64, "
-        "64x256, 64x128"]
+        "64x256, 64x128, 256x256"]
 
 
 # ----------------------------------------------------------------------------- cache / precompile

@@ -18,6 +18,9 @@ CONFIGS = {
     "coop64x256": KernelConfig(tile=(64, 256), cluster=(2, 1), schedule="cooperative"),
     "rows256": KernelConfig(tile=(256, 128), cluster=(2, 1), schedule="cooperative"),
     "mk_raster_n": KernelConfig(majors="mn", raster_along_m=False, swizzle=1),
+    "sm100": KernelConfig(arch="sm_100a", gpu="B200", tile=(128, 256), cluster=(1, 1)),
+    "sm100_pair": KernelConfig(arch="sm_100a", gpu="B200", tile=(256, 128), cluster=(2, 1)),
+    "sm100_multicast": KernelConfig(arch="sm_100a", gpu="B200", tile=(128, 256), cluster=(1, 2)),
 }
 
 # (what it is, a pattern that finds it in a line of the kernel)

@@ -15,6 +15,7 @@ import torch
 
 import coda_cute as cc
 from coda_cute import library
+from coda_cute.backends.registry import backend
 from coda_cute.errors import UnsupportedError
 from coda_cute.program import Program
 from coda_cute.runtime import Kernel
@@ -108,12 +109,14 @@ def run_and_compare(program: Program, m: int, n: int, k: int, dtype=torch.bfloat
     result = kernel(a, b, out=views, return_partials=True, **operands)
     torch.cuda.synchronize()
     assert kernel.last.path == "kernel" and kernel.launches == 1, "the generated kernel did not run"
+    config = kernel.last.config
+    cta_tile = backend(config.arch).cta_tile(config.tile)  # what partials and table row blocks count
     if any(op.kind == "table" for op in program.operands):  # staged by default where the tables allow it
         staged = order.get("stage_tables")
-        staged = table_rows % kernel.last.config.tile[0] == 0 if staged is None else staged
-        assert kernel.last.config.stage_tables == staged
+        staged = table_rows % cta_tile[0] == 0 if staged is None else staged
+        assert config.stage_tables == staged
     outputs, partials = result
-    ref = cc.evaluate(program, a, b, operands, tile=kernel.last.config.tile)
+    ref = cc.evaluate(program, a, b, operands, tile=cta_tile)
     for out in program.tile_outputs:
         cols = int(n * out.node.width)
         check_guard(out.name, buffers[out.name], m, cols)

@@ -1,9 +1,12 @@
 """Blackwell (sm_100a): every library program cross-compiles for sm_100a on this (GPU-less)
-machine at both tiles, with the SASS of the kernel we meant to build (tcgen05 MMAs, TMEM loads,
-TMA loads and stores, no WGMMA, no spills, a finishing kernel exactly where it reduces, shuffles
-exactly where it reduces columns); what sm_100a does not build (other tiles, clusters,
-ping-pong) is refused with an UnsupportedError naming sm_100a and what it lacks.  These kernels
-are compile-verified only: none has run on a Blackwell GPU."""
+machine at both 1-CTA tiles and at the 2-CTA 256x128 tile, and a sample covering every
+primitive at the other tile and cluster shapes, with the SASS of the kernel we meant to build
+(tcgen05 MMAs, 2-CTA exactly where a CTA pair shares the MMA, multicast TMA loads exactly where
+a 1-CTA cluster shares A or B, TMEM loads, TMA loads and stores, no WGMMA, no spills, a
+finishing kernel exactly where it reduces, shuffles exactly where it reduces columns); what
+sm_100a does not build (other tiles and clusters, ping-pong) is refused with an
+UnsupportedError naming sm_100a and what it lacks.  These kernels are compile-verified only:
+none has run on a Blackwell GPU."""
 
 import re
 
@@ -20,6 +23,18 @@ from coda_cute.runtime import runtime_defaults
 
 BLACKWELL = KernelConfig(arch="sm_100a", gpu="B200", tile=(128, 256), cluster=(1, 1))
 TILES = {"128x256": (128, 256), "128x128": (128, 128)}
+PAIR = BLACKWELL.with_(tile=(256, 128), cluster=(2, 1))  # a CTA pair (cta_group 2)
+# (tile, cluster) -> the programs compiled there: every library program at the defaults (TILES,
+# cluster 1x1) and at the 2-CTA 256x128; elsewhere a sample covering every primitive: coordinates
+# and row vectors (cross_entropy_bwd), row reductions with log-sum-exp (cross_entropy_stats_save),
+# a tile input beside a column reduction (rmsnorm_bwd_residual), gathered tables (rope_qkv),
+# segment reductions (qk_rmsnorm), pairs with N/2 and N outputs (swiglu_save), a scalar (alpha_beta)
+SAMPLE = ("cross_entropy_bwd", "cross_entropy_stats_save", "rmsnorm_bwd_residual", "rope_qkv", "qk_rmsnorm",
+          "swiglu_save", "alpha_beta")
+SHAPES = {"256x256-2x1": ((256, 256), (2, 1)), "128x256-2x1": ((128, 256), (2, 1)),
+          "128x256-1x2": ((128, 256), (1, 2)), "128x128-2x1": ((128, 128), (2, 1))}
+# (program, tile, cluster) -> spilled bytes where a non-default shape spills (none does)
+EXPECTED_SPILLS: dict = {}
 # random compositions (tests/random_programs.py): N/2 and N outputs, row max, maxabs,
 # logsumexp, sum and sumsq; N-wide tile inputs with column maxabs (0) and max (4), and a column
 # max alone (17)
@@ -39,10 +54,19 @@ def _wide_output():
     return wide_output
 
 
-def _check_sass(name, program, compiled):
+def _check_sass(name, program, compiled, config=BLACKWELL):
     sass = compiled.artifacts["sass"].read_text()
     ops = {op: len(re.findall(rf"\b{op}\b", sass))
            for op in ("UTCHMMA", "LDTM", "UTMALDG", "UTMASTG", "HGMMA", "SHFL")}
+    # a CTA pair's MMAs and A/B loads are cta_group 2 (UTCHMMA.2CTA, UTMALDG.2D.2CTA), and only
+    # its; a 1-CTA cluster multicasts its A or B k-tiles (UTMALDG.2D.MULTICAST), and only it
+    pair, clustered = config.tile[0] == 256, config.cluster != (1, 1)
+    mmas = re.findall(r"\bUTCHMMA(?:\.\w+)*", sass)
+    assert mmas and all(("2CTA" in op.split(".")) == pair for op in mmas), f"{name}: {sorted(set(mmas))}"
+    pair_loads = re.findall(r"\bUTMALDG\.\w+\.2CTA\b", sass)
+    assert (len(pair_loads) >= 2) == pair and (bool(pair_loads) == pair), f"{name}: A/B loads {pair_loads}"
+    multicast = re.findall(r"\bUTMALDG(?:\.\w+)*\.MULTICAST\b", sass)
+    assert bool(multicast) == (clustered and not pair), f"{name}: multicast loads {multicast}"
     assert ops["UTCHMMA"] > 0 and ops["LDTM"] > 0 and ops["UTMALDG"] > 0, f"{name}: {ops}"
     read = {node.attrs[0] for node in program.nodes if node.op == "load"}
     tile_inputs = [op for op in program.operands if op.kind == "tile" and op.name in read]
@@ -51,22 +75,36 @@ def _check_sass(name, program, compiled):
     assert (ops["SHFL"] > 0) == bool(col_reductions), f"{name}: shuffles exactly where it reduces columns: {ops}"
     assert ops["HGMMA"] == 0, f"{name}: Hopper's WGMMA in an sm_100a kernel"
     assert (ops["UTMASTG"] > 0) == bool(program.tile_outputs), f"{name}: TMA stores exactly where it stores tiles"
-    assert compiled.spill_bytes == 0 and "LDL" not in sass and "STL" not in sass, f"{name}: spills"
+    spills = EXPECTED_SPILLS.get((name, tuple(config.tile), tuple(config.cluster)), 0)
+    assert compiled.spill_bytes == spills, f"{name}: {compiled.spill_bytes} bytes spilled, expected {spills}"
+    assert spills or ("LDL" not in sass and "STL" not in sass), f"{name}: spills"
     finish = re.search(r"\.text\.kernel_cutlass_finish", sass) is not None
     assert finish == bool(program.reductions), f"{name}: a finishing kernel exactly where it reduces"
 
 
-@pytest.mark.compile
-@pytest.mark.parametrize("tile", TILES)
-@pytest.mark.parametrize("name", sorted(library.programs()))
-def test_library_program_compiles_for_sm100(name, tile, tmp_path):
+def _compile_and_check(name, program, config, tmp_path):
     from coda_cute.compile import compile_program
 
-    program = library.get(name)
-    config = BLACKWELL.with_(tile=TILES[tile])
     compiled = compile_program(program, config, keep=("sass",), dump_dir=tmp_path / "dump",
                                source_dir=tmp_path / "src", report=True)
-    _check_sass(name, program, compiled)
+    _check_sass(name, program, compiled, config)
+    return compiled
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("tile", [*TILES, "256x128-2x1"])
+@pytest.mark.parametrize("name", sorted(library.programs()))
+def test_library_program_compiles_for_sm100(name, tile, tmp_path):
+    config = PAIR if tile == "256x128-2x1" else BLACKWELL.with_(tile=TILES[tile])
+    _compile_and_check(name, library.get(name), config, tmp_path)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", SAMPLE)
+def test_sampled_programs_compile_at_the_other_sm100_shapes(name, shape, tmp_path):
+    tile, cluster = SHAPES[shape]
+    _compile_and_check(name, library.get(name), BLACKWELL.with_(tile=tile, cluster=cluster), tmp_path)
 
 
 @pytest.mark.compile
@@ -85,14 +123,29 @@ def test_random_compositions_compile_for_sm100(seed, tmp_path):
     _check_sass(str(seed), program, compiled)
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("seed", ("0", "0_extras", "wide_output"))
+def test_random_compositions_compile_for_a_cta_pair(seed, tmp_path):
+    """A tile input with a column maxabs (0), a table with a 128-column segment max (0 extras) and
+    a 2N-wide output beside a row max, at 256x128 (cluster 2x1)."""
+    from random_programs import random_program
+
+    program = _wide_output() if seed == "wide_output" else random_program(0, extras=seed.endswith("_extras"))
+    _compile_and_check(seed, program, PAIR, tmp_path)
+
+
 def test_sm100_refuses_what_it_does_not_build():
     gemm = library.get("gemm")
-    for config, words in ((BLACKWELL.with_(cluster=(2, 1)), "cluster 2x1 is not built for sm_100a"),
-                          (BLACKWELL.with_(tile=(128, 192)), "tile 128x192 is not built for sm_100a"),
-                          (BLACKWELL.with_(tile=(256, 128)), "tile 256x128 is not built for sm_100a"),
+    for config, words in ((BLACKWELL.with_(tile=(128, 192)), "tile 128x192 is not built for sm_100a"),
+                          (BLACKWELL.with_(tile=(256, 128)),
+                           "cluster 1x1 is not built for sm_100a with tile 256x128 .*CTA pair.* use cluster 2x1"),
+                          (PAIR.with_(cluster=(1, 2)), "cluster 1x2 is not built for sm_100a with tile 256x128"),
+                          (BLACKWELL.with_(tile=(256, 256)), "cluster 1x1 is not built for sm_100a with tile 256x256"),
                           (BLACKWELL.with_(schedule="pingpong", tile=(128, 128)), "'pingpong' is not built for sm_100a")):
         with pytest.raises(UnsupportedError, match=words):
             lower(gemm, config)
+    with pytest.raises(UnsupportedError, match="tile 256x256 is not built for sm_90a"):
+        lower(gemm, KernelConfig(tile=(256, 256)))
 
     residual = library.get("residual_sumsq")
     with pytest.raises(UnsupportedError, match="in_stages 3: input rings must divide the tile's 8 subtiles"):
@@ -112,6 +165,12 @@ def test_sm100_plans_input_rings_beside_the_mainloop_stages():
         assert (cfg["ab_stages"], cfg["epi_stages"], cfg["in_stages"]) == stages, (name, tile)
     cfg = lower(library.get("residual_sumsq"), BLACKWELL.with_(in_stages=8)).cfg
     assert (cfg["in_stages"], cfg["ab_stages"]) == (8, 3)
+    # a CTA pair: each CTA's stage holds its 128 rows of A and half of B's columns, so more fit
+    for name, tile, stages in (("residual_sumsq", (256, 256), (5, 2, 4)), ("rmsnorm_bwd_residual", (256, 256), (4, 2, 4)),
+                               ("swiglu_bwd_recompute", (256, 256), (4, 2, 2)), ("gemm", (256, 256), (6, 2, 0)),
+                               ("gemm", (256, 128), (8, 2, 0))):
+        cfg = lower(library.get(name), PAIR.with_(tile=tile)).cfg
+        assert (cfg["ab_stages"], cfg["epi_stages"], cfg["in_stages"]) == stages, (name, tile)
 
 
 @pytest.mark.compile
@@ -199,10 +258,15 @@ def test_a_hopper_gpu_is_refused_for_sm100_kernels(monkeypatch):
 def test_the_emitted_sm100_module_reads_like_hopper_one():
     for name in ("gemm", "cross_entropy_stats_save", "swiglu_save", "rms_scale_gamma", "alpha_beta",
                  "rmsnorm_bwd_residual", "swiglu_bwd_recompute", "rope_qkv", "qk_rmsnorm"):
-        source = emit(library.get(name), BLACKWELL)
-        assert all(len(line) <= 100 for line in source.splitlines()), name
-        assert "--arch sm_100a --gpu B200" in source and "Compile-verified for sm_100a" in source
-        assert "tcgen05" in source and "warpgroup" not in source
+        for config in (BLACKWELL, PAIR, BLACKWELL.with_(cluster=(2, 1))):
+            source = emit(library.get(name), config)
+            assert all(len(line) <= 100 for line in source.splitlines()), name
+            assert "--arch sm_100a --gpu B200" in source and "Compile-verified for sm_100a" in source
+            assert "tcgen05" in source and "warpgroup" not in source
+            # a cluster's CTAs find their place in it, and multicast exactly where one CTA per tile shares A or B
+            assert ("cta_in_cluster" in source) == (config.cluster != (1, 1)), name
+            assert ("mcast_mask=" in source) == (config.cluster != (1, 1)), name
+            assert ("is_leader_cta" in source) == (config.tile[0] == 256), name
     row_sums = emit(library.get("cross_entropy_stats"), BLACKWELL)
     assert "shuffle" not in row_sums  # a thread holds whole rows: no exchange
     assert "part_lse[(0, tile_n, row)] = row_max" in row_sums
@@ -235,44 +299,95 @@ def test_cli_emits_for_sm100(tmp_path, capsys):
 
 
 @pytest.mark.compile
-def test_fragment_mapping_matches_the_tmem_load_partition():
-    """Thread t of the epilogue holds tile row t, its register i of subtile s column 32 s + i: what
-    the template's pair loop assumes (pair0 = subtile * EPI_N + slot0, row = row0 + ctidx), as
-    CuTe's partition of the tcgen05.ld 32x32b.x32 copy reports it at trace time."""
+@pytest.mark.parametrize("mma_m,tile_n", [(128, 256), (256, 256), (256, 128)])
+def test_fragment_mapping_matches_the_tmem_load_partition(mma_m, tile_n):
+    """Thread t of a CTA's epilogue holds row t of the CTA's 128-row tile, its register i of
+    subtile s column 32 s + i: what the template's pair loop assumes (pair0 = subtile * EPI_N +
+    slot0, row = row0 + ctidx, row0 = tile_m * TILE_M).  CuTe's partition of the tcgen05.ld
+    32x32b.x32 copy of the CTA's accumulator in TMEM, applied to the MMA tile's coordinates as
+    the MMA partitions them for CTA v of the pair (v = 0 for a 1-CTA tile), reports row
+    128 v + t at trace time: CTA v of a pair drains the MMA tile's rows [128 v, 128 v + 128),
+    which is the scheduler's CTA tile 2 c + v of the pair's MMA tile c."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.nvgpu import tcgen05
     import cutlass.utils.blackwell_helpers as sm100_utils
     from cutlass.cute.nvgpu import OperandMajorMode
+    from cutlass.utils.gemm.sm100 import transform_partitioned_tensor_layout
 
-    tile_m, tile_n, epi_n = 128, 256, 32
+    rows, epi_n, pair = 128, 32, mma_m // 128
+    ranks = tuple(range(pair))  # the CTAs of the pair: a Python loop at trace time
     found = []
 
     @cute.jit
     def probe():
         tiled_mma = sm100_utils.make_trivial_tiled_mma(
             cutlass.BFloat16, cutlass.BFloat16, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32,
-            tcgen05.CtaGroup.ONE, (tile_m, tile_n))
-        acc_shape = tiled_mma.partition_shape_C((tile_m, tile_n))
-        layout = tiled_mma.make_fragment_C(acc_shape).layout
-        from cutlass.utils.gemm.sm100 import transform_partitioned_tensor_layout
-
+            tcgen05.CtaGroup.TWO if pair == 2 else tcgen05.CtaGroup.ONE, (mma_m, tile_n))
+        layout = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((mma_m, tile_n))).layout
         tmem = cute.make_tensor(cute.make_ptr(cutlass.Float32, 0, cute.AddressSpace.tmem), layout)
-        tAcc = transform_partitioned_tensor_layout(tmem)
-        tAcc_epi = cute.flat_divide(tAcc, (tile_m, epi_n))
+        tAcc_epi = cute.flat_divide(transform_partitioned_tensor_layout(tmem), (rows, epi_n))
         atom = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(epi_n)), cutlass.Float32)
         t2r = tcgen05.make_tmem_copy(atom, tAcc_epi[(None, None, 0, 0)])
-        subtiles = cute.flat_divide(cute.make_identity_tensor((tile_m, tile_n)), (tile_m, epi_n))
-        for t in (0, 1, 31, 32, 77, 127):
-            coords = t2r.get_slice(t).partition_D(subtiles)
-            for s in (0, 3, 7):
-                for i in (0, 1, 2, 17, 31):
-                    found.append((t, s, i, coords[(None, None, None, 0, s)][i]))
+        for v in ranks:
+            coords = tiled_mma.get_slice(v).partition_C(cute.make_identity_tensor((mma_m, tile_n)))
+            subtiles = cute.flat_divide(transform_partitioned_tensor_layout(coords), (rows, epi_n))
+            for t in (0, 1, 31, 32, 77, 127):
+                held = t2r.get_slice(t).partition_D(subtiles)
+                for s in (0, 3, tile_n // epi_n - 1):
+                    for i in (0, 1, 2, 17, 31):
+                        found.append((v, t, s, i, held[(None, None, None, 0, s)][i]))
 
     probe()
-    assert found
-    for t, s, i, (row, col) in found:
-        assert (row, col) == (t, epi_n * s + i), (t, s, i, row, col)
+    assert len(found) == pair * 6 * 3 * 5
+    for v, t, s, i, (row, col) in found:
+        assert (row, col) == (rows * v + t, epi_n * s + i), (v, t, s, i, row, col)
+
+
+def test_a_cta_pair_indexes_its_partials_by_its_128_row_tile():
+    """At 256-row tiles each CTA of the pair drains 128 rows: the emitted TILE_M is 128 (the
+    scheduler counts tiles of it; MMA_TILE_M is the pair's 256), a column reduction writes the
+    partial of CTA tile tile_m (guarded past M), a row reduction its row's (guarded past M and
+    N), and the signature sizes the partials ceil(M / 128) along M, as the call (runtime) and the
+    reference allocate them."""
+    from coda_cute.backends.registry import backend as backend_of
+    from coda_cute.signature import host_arguments
+
+    for name, tile in (("rmsnorm_bwd", (256, 128)), ("cross_entropy_stats", (256, 256))):
+        program, config = library.get(name), PAIR.with_(tile=tile)
+        source = emit(program, config)
+        assert f"TILE_M, TILE_N, TILE_K = 128, {tile[1]}, 64" in source and "MMA_TILE_M = CTA_GROUP * TILE_M" in source
+        assert "CTA_GROUP = 2" in source and "tcgen05.CtaGroup.TWO" in source and "is_two_cta=True" in source
+        assert "tiles_mn = (cute.ceil_div(mA.shape[0], TILE_M)" in source
+        assert "tAgA[(None, tile_m // CTA_GROUP, None)]" in source and "row0 = tile_m * TILE_M" in source
+        tile_rows = backend_of("sm_100a").cta_tile(config.tile)
+        assert tile_rows == (128, tile[1])
+        for arg in host_arguments(program, config):
+            if arg.role == "partials":
+                lead = (2,) if arg.dims[0] == 2 else ()
+                along = (-(-200 // tile[1]), 300) if arg.dims[-1] == "M" else (-(-300 // 128), 200)
+                assert arg.shape(300, 200, 64, tile_rows) == (*lead, *along), arg.name
+    dgamma = emit(library.get("rmsnorm_bwd"), PAIR)
+    assert "if global_col < N and row0 < M:" in dgamma and "part_dgamma[(tile_m, global_col)] = total" in dgamma
+    stats = emit(library.get("cross_entropy_stats"), PAIR)
+    assert "if row < M and col0 < N:" in stats and "part_lse[(0, tile_n, row)] = row_max" in stats
+
+
+def test_a_cta_pair_call_allocates_partials_per_128_row_tile(gen):
+    """The runtime's call plan and the reference's partials of a 256x128 sm_100a kernel: one per
+    128-row CTA tile along M."""
+    from test_signature import _inputs
+
+    from coda_cute.arguments import bind
+    from coda_cute.runtime import CallPlan, Kernel
+
+    program = library.get("rmsnorm_bwd")
+    m, n, k = 300, 64, 32
+    a, b, operands = _inputs(program, m, n, k, gen)
+    plan = CallPlan.build(program, bind(program, a, b, operands), PAIR, None, "key")
+    assert dict(plan.partials)["dgamma"] == (3, n)  # ceil(300 / 128)
+    _, partials = Kernel(program, arch="sm_100a", tile=(256, 128))(a, b, return_partials=True, **operands)
+    assert tuple(partials["dgamma"].shape) == (3, n)
 
 
 def test_cli_builds_for_sm_100a_with_its_gpu_by_default(tmp_path, capsys, monkeypatch):
@@ -288,6 +403,15 @@ def test_cli_builds_for_sm_100a_with_its_gpu_by_default(tmp_path, capsys, monkey
     assert "B200" in capsys.readouterr().out
     assert main(["emit", "gemm", "--arch", "sm_100a", "--gpu", "H200"]) == 2
     assert "runs sm_90a kernels, not sm_100a" in capsys.readouterr().err
+    # a CTA pair: its cluster given, or filled (2x1)
+    for cluster in (["--cluster", "2x1"], []):
+        out = tmp_path / "pair.py"
+        assert main(["emit", "gemm", "--arch", "sm_100a", "--tile", "256x128", *cluster, "-o", str(out)]) == 0
+        assert "CTA_GROUP = 2" in out.read_text() and "cluster 2x1" in out.read_text()
+    assert main(["precompile", "gemm", "--arch", "sm_100a", "--tile", "256x128", "--cluster", "2x1",
+                 "--jobs", "1"]) == 0
+    assert main(["emit", "gemm", "--arch", "sm_100a", "--tile", "256x128", "--cluster", "1x2"]) == 2
+    assert "cluster 1x2 is not built for sm_100a with tile 256x128" in capsys.readouterr().err
 
 
 @cc.epilogue
@@ -367,7 +491,7 @@ def _segment_program(kind, segment, paired):
 @pytest.mark.parametrize("kind,segment,paired", [
     ("sumsq", 128, False), ("sum", 32, False), ("max", 16, False), ("maxabs", 8, False),
     ("logsumexp", 64, False), ("sum", 64, True), ("logsumexp", 8, True)])
-@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("tile", [*TILES, "256x128-2x1"])
 def test_the_segment_reductions_equal_the_reference_when_run_on_cpu_stand_ins(kind, segment, paired, tile):
     """Run a segment reduction's lines as generated for sm_100a (the tile's declarations, the
     subtile's pass with its TMEM re-reads, the pair loop's lookup and store) on CPU stand-ins: 128
@@ -382,11 +506,11 @@ def test_the_segment_reductions_equal_the_reference_when_run_on_cpu_stand_ins(ki
     from coda_cute.reference import evaluate_accumulator
 
     program = _segment_program(kind, segment, paired)
-    config = BLACKWELL.with_(tile=TILES[tile])
+    config = PAIR if tile == "256x128-2x1" else BLACKWELL.with_(tile=TILES[tile])
     ctx = lower(program, config)
     source = emit(program, config)
     helpers = "\n".join(re.findall(r"^def (?:where|logsumexp_\w+)\(.*?(?=^\S)", source, re.M | re.S))
-    tile_m, tile_n = TILES[tile]
+    tile_m, tile_n = backend("sm_100a").cta_tile(config.tile)  # one CTA's rows: a pair's CTA drains 128
     epi_n, threads = ctx.epi_n, 128
     accumulator = np.random.default_rng(segment).standard_normal((tile_m, tile_n))
     stored = {name: np.full((tile_m, tile_n), np.nan) for name in "DE"}

@@ -52,6 +52,16 @@ class Backend(ABC):
     column_registers: str
     column_sharing: str
 
+    def default_cluster(self, tile: tuple[int, int]) -> tuple[int, int]:
+        """The cluster a kernel of ``tile`` takes where none is given (with ``defaults``)."""
+        return tuple(self.defaults[1])
+
+    def cta_tile(self, tile: tuple[int, int]) -> tuple[int, int]:
+        """The rows and columns of ``tile`` that one CTA's epilogue covers: the unit of the
+        persistent scheduler's tile indices, of row vectors in smem and of per-tile partials (the
+        whole tile, unless a CTA pair shares the tile's MMA)."""
+        return tuple(tile)
+
     @abstractmethod
     def tile_threads(self, config: KernelConfig) -> int:
         """Threads that compute one tile's epilogue."""

@@ -1,11 +1,20 @@
 """Blackwell (sm_100a): tcgen05 MMAs into tensor memory, one row per epilogue thread.
 
 Compile-verified only: these kernels are compiled and their SASS checked for sm_100a on a
-machine without a Blackwell GPU; none has run.  What this first slice does not build is refused.
+machine without a Blackwell GPU; none has run.  What it does not build is refused.
 
-The kernel.  One CTA per SM computes 128-row tiles (cta_group 1, cluster 1x1) in three roles:
-warp 5 loads A and B with TMA, warp 4 issues the tcgen05 MMAs into one of two accumulators in
-tensor memory (TMEM), and warps 0-3 run the epilogue of the other accumulator meanwhile.
+The kernel.  One CTA per SM works in three roles: warp 5 loads A and B with TMA, warp 4 issues
+the tcgen05 MMAs into one of two accumulators in tensor memory (TMEM), and warps 0-3 run the
+epilogue of the other accumulator meanwhile.  A 128-row tile is one CTA's (cta_group 1); in a
+cluster of 2 along M (N) its B (A) k-tiles are shared: each CTA loads its half and multicasts
+it to both.  A 256-row tile is a CTA pair's (cta_group 2, the cluster 2x1): each CTA loads its
+128 rows of A and half of B's columns, the leader's MMA warp issues the MMAs of both, and each
+CTA holds its 128 rows of the accumulator in its own TMEM and drains them in its own epilogue.
+So an epilogue always covers a 128-row CTA tile (``cta_tile``): the emitted TILE_M, the unit
+of the scheduler's tile indices, of row vectors and of the per-tile partials.  A cluster may
+own tiles past M or N (the scheduler rounds the tile grid up to whole clusters): their CTAs
+still load and multiply (their peers wait for their share), and their stores and partials are
+guarded or clipped by TMA, as on Hopper.
 
 The fragment scheme.  The epilogue reads the accumulator a 128 x 32 subtile at a time
 (tcgen05.ld 32x32b, 32 repetitions): thread t of the 128 epilogue threads holds row t, its
@@ -47,7 +56,13 @@ EPI_N = 32  # accumulator columns per subtile: one tcgen05.ld 32x32b.x32 per thr
 EPI_THREADS = 128  # four epilogue warps, warp w reading TMEM lanes (rows) [32w, 32w + 32)
 ACC_STAGES = 2  # accumulators in TMEM: the epilogue of one tile overlaps the next one's MMAs
 TMEM_COLUMNS = 512  # a CTA's tensor memory: 128 lanes x 512 32-bit columns
-TILES = ((128, 256), (128, 128))  # 128-row tiles (one CTA, cta_group 1), as compiled and tested
+CTA_ROWS = 128  # rows of a CTA's accumulator: TMEM's 128 lanes
+# tiles as compiled and tested: 128 rows, one CTA (tcgen05 cta_group 1); 256 rows, a CTA pair
+# sharing each MMA (cta_group 2), each CTA holding and draining 128 rows of the accumulator
+TILES = ((128, 256), (128, 128), (256, 256), (256, 128))
+# clusters (along M, along N): a 1-CTA tile's A is multicast along N, its B along M; a CTA pair
+# is a 2x1 cluster, whose CTAs each load half of the tile's B
+CLUSTERS = {128: ((1, 1), (2, 1), (1, 2)), 256: ((2, 1),)}
 AB_STAGES_MAX = 8
 # mainloop stages an input ring deeper than the output rings must leave (unmeasured: no B200 yet;
 # Hopper wants 4 too)
@@ -72,11 +87,17 @@ class SM100(Backend):
     column_registers = "EPI_N"
     column_sharing = "every thread of the tile"
 
+    def default_cluster(self, tile: tuple[int, int]) -> tuple[int, int]:
+        return CLUSTERS[tile[0]][0] if tile[0] in CLUSTERS else tuple(self.defaults[1])  # a pair: 2x1
+
+    def cta_tile(self, tile: tuple[int, int]) -> tuple[int, int]:
+        return CTA_ROWS, tile[1]  # a 256-row tile is a CTA pair's: 128 rows each
+
     def tile_threads(self, config: KernelConfig) -> int:
         return EPI_THREADS
 
     def schedule(self, config: KernelConfig) -> dict:
-        return dict(acc_stages=ACC_STAGES, tmem_columns=TMEM_COLUMNS)
+        return dict(acc_stages=ACC_STAGES, tmem_columns=TMEM_COLUMNS, cta_group=config.tile[0] // CTA_ROWS)
 
     def plan_smem(self, program: Program, config: KernelConfig, declare: Callable) -> tuple:
         """Subtiles of EPI_N columns; output rings config.epi_stages deep (2 if not given); input
@@ -104,7 +125,7 @@ class SM100(Backend):
             depths = [0]
         else:
             depths = [config.in_stages] if config.in_stages else [d for d in IN_STAGES_CHOICES if subtiles % d == 0]
-        ab_bytes = (config.tile[0] + config.tile[1]) * 64 * 2
+        ab_bytes = ab_stage_bytes(config)
         for in_stages in depths:
             room = min((SMEM_BYTES[config.arch] - self.smem_bytes(ctx, epi_stages, in_stages, 0)) // ab_bytes,
                        AB_STAGES_MAX)
@@ -119,9 +140,15 @@ class SM100(Backend):
         return ctx, epi_stages, in_stages, ab_stages
 
     def smem_bytes(self, ctx, epi_stages: int, in_stages: int, ab_stages: int) -> int:
-        # the barriers and TMEM address fit the first 1024 bytes, as Hopper's barriers do; the
-        # stages, rings and vectors follow with the same alignments
-        return sm90.smem_bytes(ctx, epi_stages, in_stages, ab_stages)
+        """Hopper's layout (sm90.smem_bytes) over one CTA's share: the barriers and the TMEM
+        address in the first 1024 bytes; the A/B stages (this CTA's rows of A, its share of B's
+        columns); the 1024-aligned epilogue rings of the CTA's 128 rows; the 16-byte aligned
+        vectors and column scratch; the whole padded to 1024 bytes."""
+        ab = ab_stages * ab_stage_bytes(ctx.config)
+        rings = sum(-(-stages * CTA_ROWS * t["cols"] * sm90.DTYPE_BYTES[t["dtype"]] // 1024) * 1024
+                    for tiles, stages in ((ctx.tile_outputs, epi_stages), (ctx.tile_inputs, in_stages)) for t in tiles)
+        small = sum(-(-4 * n // 16) * 16 for n in [v["elems"] for v in ctx.vectors] + [ctx.col_scratch_elems])
+        return -(-(1024 + ab + rings + small) // 1024) * 1024
 
     def coordinates(self, row: bool, col: bool) -> list[str]:
         head = ["row = row0 + ctidx  # this thread's row"] if row else []
@@ -212,15 +239,25 @@ class SM100(Backend):
         return lines
 
 
+def ab_stage_bytes(config: KernelConfig) -> int:
+    """Bytes of one mainloop stage in one CTA: its 128 rows of A and its share of B's columns
+    (all of them, or half where a CTA pair shares the MMA), 64 16-bit values along K each."""
+    pair = config.tile[0] // CTA_ROWS
+    return (CTA_ROWS + config.tile[1] // pair) * 64 * 2
+
+
 def check_supported(program: Program, config: KernelConfig) -> None:
-    """Refuse what this slice of sm_100a does not build, naming it."""
+    """Refuse what sm_100a does not build, naming it."""
     arch = config.arch
-    if tuple(config.tile) not in TILES:
-        raise UnsupportedError(f"tile {config.tile[0]}x{config.tile[1]} is not built for {arch} yet; "
+    tile, cluster = tuple(config.tile), tuple(config.cluster)
+    if tile not in TILES:
+        raise UnsupportedError(f"tile {tile[0]}x{tile[1]} is not built for {arch} yet; "
                                f"choose one of {', '.join(f'{m}x{n}' for m, n in TILES)}")
-    if tuple(config.cluster) != (1, 1):
-        raise UnsupportedError(f"cluster {config.cluster[0]}x{config.cluster[1]} is not built for {arch} yet "
-                               "(no multicast, no 2-CTA MMA): use cluster 1x1")
+    if cluster not in CLUSTERS[tile[0]]:
+        shared = ("a CTA pair shares each MMA (tcgen05 cta_group 2), so its cluster is the pair along M" if tile[0] == 256
+                  else "one CTA per tile, A multicast along N or B along M")
+        raise UnsupportedError(f"cluster {cluster[0]}x{cluster[1]} is not built for {arch} with tile {tile[0]}x{tile[1]} "
+                               f"({shared}): use cluster {' or '.join(f'{m}x{n}' for m, n in CLUSTERS[tile[0]])}")
     if config.schedule != "cooperative":
         raise UnsupportedError(f"schedule {config.schedule!r} is not built for {arch}: its warp-specialized "
                                "kernel runs the epilogue beside the MMAs already (use cooperative)")

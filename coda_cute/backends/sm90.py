@@ -53,6 +53,9 @@ class SM90(Backend):
                     **register_split(config))
 
     def plan_smem(self, program: Program, config: KernelConfig, declare: Callable) -> tuple:
+        if tuple(config.tile) == (256, 256):
+            raise UnsupportedError(f"tile 256x256 is not built for {self.arch}: its two consumer warpgroups would "
+                                   "hold 256 fp32 accumulators per thread (sm_100a builds it, as a CTA pair)")
         return plan_smem(program, config, declare)
 
     def smem_bytes(self, ctx, epi_stages: int, in_stages: int, ab_stages: int) -> int:
