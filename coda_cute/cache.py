@@ -522,11 +522,6 @@ def _write_choice(folder_name: str, record_name: str, record: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- autotune
-#: what ``autotune`` times besides the rules' choice, (tile, cluster, schedule): the shapes at
-#: which the library's ops measured fastest at one size or another (benchmarks/RESULTS.md)
-TUNE_CANDIDATES = (((128, 256), (1, 2), "cooperative"), ((128, 256), (2, 1), "cooperative"),
-                   ((256, 128), (2, 1), "cooperative"), ((128, 192), (1, 2), "pingpong"),
-                   ((128, 128), (1, 2), "pingpong"), ((128, 128), (2, 1), "cooperative"))
 #: seconds of timing per decision, all candidates together (each times at least once; their
 #: compiles come before, once, into the cache)
 TUNE_BUDGET_S = 2.0
@@ -535,9 +530,10 @@ _TUNED: dict[str, KernelConfig] = {}  # record (cache key of the rules' choice a
 
 
 def tune_candidates(config: KernelConfig) -> list[KernelConfig]:
-    """``config`` (the runtime's rules' choice), then TUNE_CANDIDATES with every other field of it."""
+    """``config`` (the runtime's rules' choice), then its arch's ``Backend.tune_shapes`` with every
+    other field of it."""
     out = [config]
-    for tile, cluster, schedule in TUNE_CANDIDATES:
+    for tile, cluster, schedule in backend(config.arch).tune_shapes:
         candidate = config.with_(tile=tile, cluster=cluster, schedule=schedule)
         if candidate not in out:
             out.append(candidate)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from coda_cute import cache
+from coda_cute.backends.registry import backend
 from coda_cute.config import KernelConfig
 from coda_cute.errors import UnsupportedError
 from coda_cute.runtime import Kernel
@@ -20,11 +21,22 @@ SHAPE = (8192, 4096, 4096)
 
 def test_candidates_start_with_the_rules_choice_and_keep_its_other_fields():
     rules = KernelConfig(tile=(128, 192), cluster=(1, 2), schedule="pingpong", ab_stages=3)
+    shapes = backend("sm_90a").tune_shapes
     candidates = cache.tune_candidates(rules)
-    assert candidates[0] is rules and len(candidates) == len(set(candidates)) == 1 + len(cache.TUNE_CANDIDATES) - 1
+    assert candidates[0] is rules and len(candidates) == len(set(candidates)) == 1 + len(shapes) - 1
     assert {(c.tile, c.cluster, c.schedule) for c in candidates[1:]} | {((128, 192), (1, 2), "pingpong")} == \
-        {tuple(t) for t in cache.TUNE_CANDIDATES}
+        {tuple(t) for t in shapes}
     assert {c.ab_stages for c in candidates} == {3}
+
+
+def test_sm100a_candidates_are_the_shapes_it_builds():
+    """Blackwell tunes over its own shapes (CTA pairs, multicast clusters), each one it can build."""
+    rules = KernelConfig(arch="sm_100a", gpu="B200", tile=(128, 256), cluster=(1, 1), schedule="cooperative")
+    candidates = cache.tune_candidates(rules)
+    assert {(c.tile, c.cluster) for c in candidates} >= {((256, 256), (2, 1)), ((128, 256), (1, 2))}
+    for c in candidates:
+        c.check()
+        assert c.arch == "sm_100a" and c.schedule == "cooperative"
 
 
 @pytest.mark.compile
@@ -111,7 +123,7 @@ def test_autotuned_kernel_is_correct_and_its_choice_is_kept(cache_dir, gen):  # 
     ran = kernel.last.config
     rules = rules_choice(geglu_save)
     assert (ran.tile, ran.cluster, ran.schedule) in {(rules.tile, rules.cluster, rules.schedule),
-                                                     *cache.TUNE_CANDIDATES}
+                                                     *backend(ran.arch).tune_shapes}
     assert len(list((cache_dir / "tuned").glob(f"*-{m}x{2 * n}x{k}.json"))) == 1
 
 

@@ -37,6 +37,8 @@ class Backend(ABC):
     #: the (tile, cluster, schedule) its kernels take where a caller fixes none of them; None:
     #: the runtime's rules, measured on Hopper (``runtime.default_tile``)
     defaults: tuple | None = None
+    #: what ``autotune`` times besides the rules' choice, (tile, cluster, schedule)
+    tune_shapes: tuple = ()
     #: the accumulator's values at one step of the pair loop, as the per-pair code reads them
     acc_lanes: tuple[str, ...]
     #: a pair's place among a subtile's pairs in a table's register fragment

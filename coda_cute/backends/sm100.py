@@ -78,6 +78,8 @@ class SM100(Backend):
     generation = "Blackwell"
     template = "sm100_gemm.py.j2"
     defaults = ((128, 256), (1, 1), "cooperative")
+    # every shape it builds (none measured: no Blackwell GPU has run these kernels)
+    tune_shapes = tuple((tile, cluster, "cooperative") for tile in TILES for cluster in CLUSTERS[tile[0]])
     acc_lanes = ("acc[slot0]", "acc[slot1]")
     table_slot = "k"  # the pair's step in the subtile: a table fragment holds one subtile of the row
     row_registers = "1"  # a thread holds one row

@@ -34,6 +34,10 @@ class SM90(Backend):
     capability = (9, 0)
     generation = "Hopper"
     template = "sm90_gemm.py.j2"
+    # the shapes at which the library's ops measured fastest at one size or another (benchmarks/RESULTS.md)
+    tune_shapes = (((128, 256), (1, 2), "cooperative"), ((128, 256), (2, 1), "cooperative"),
+                   ((256, 128), (2, 1), "cooperative"), ((128, 192), (1, 2), "pingpong"),
+                   ((128, 128), (1, 2), "pingpong"), ((128, 128), (2, 1), "cooperative"))
     acc_lanes = ("acc[pair0]", "acc[pair1]")
     # a column pair's place among one subtile's pairs in a table fragment: the gather and the body
     # (the template, via render) both index it so
