@@ -242,10 +242,14 @@ def test_persistent_grid_is_bounded_by_the_sm_count(tmp_path):
     from coda_cute.compile import import_source
     from coda_cute.config import CLUSTER_SHAPES, GPU_ARCHS, GPUS
 
+    from coda_cute.backends.sm100 import CLUSTERS, TILES
+
     for gpu in GPUS:
         arch = GPU_ARCHS[gpu]
-        for cluster in CLUSTER_SHAPES if arch == "sm_90a" else [(1, 1)]:  # sm_100a: no clusters yet
-            config = KernelConfig(arch=arch, gpu=gpu, cluster=cluster)
+        shapes = ([((128, 256), c) for c in CLUSTER_SHAPES] if arch == "sm_90a"
+                  else [(tile, cluster) for tile in TILES for cluster in CLUSTERS[tile[0]]])  # all sm_100a builds
+        for tile, cluster in shapes:
+            config = KernelConfig(arch=arch, gpu=gpu, tile=tile, cluster=cluster)
             module = import_source(emit(library.get("gemm"), config), tmp_path)
             ctas = module.MAX_ACTIVE_CLUSTERS * module.CLUSTER_M * module.CLUSTER_N
             assert ctas <= module.SM_COUNT == GPUS[gpu]

@@ -24,14 +24,10 @@ from coda_cute.runtime import runtime_defaults
 BLACKWELL = KernelConfig(arch="sm_100a", gpu="B200", tile=(128, 256), cluster=(1, 1))
 TILES = {"128x256": (128, 256), "128x128": (128, 128)}
 PAIR = BLACKWELL.with_(tile=(256, 128), cluster=(2, 1))  # a CTA pair (cta_group 2)
-# (tile, cluster) -> the programs compiled there: every library program at the defaults (TILES,
-# cluster 1x1) and at the 2-CTA 256x128; elsewhere a sample covering every primitive: coordinates
-# and row vectors (cross_entropy_bwd), row reductions with log-sum-exp (cross_entropy_stats_save),
-# a tile input beside a column reduction (rmsnorm_bwd_residual), gathered tables (rope_qkv),
-# segment reductions (qk_rmsnorm), pairs with N/2 and N outputs (swiglu_save), a scalar (alpha_beta)
-SAMPLE = ("cross_entropy_bwd", "cross_entropy_stats_save", "rmsnorm_bwd_residual", "rope_qkv", "qk_rmsnorm",
-          "swiglu_save", "alpha_beta")
-SHAPES = {"256x256-2x1": ((256, 256), (2, 1)), "128x256-2x1": ((128, 256), (2, 1)),
+# every library program compiles at every shape sm_100a builds: the 1-CTA tiles alone and in
+# multicast clusters, and the CTA pairs
+SHAPES = {"128x256": ((128, 256), (1, 1)), "128x128": ((128, 128), (1, 1)), "256x128-2x1": ((256, 128), (2, 1)),
+          "256x256-2x1": ((256, 256), (2, 1)), "128x256-2x1": ((128, 256), (2, 1)),
           "128x256-1x2": ((128, 256), (1, 2)), "128x128-2x1": ((128, 128), (2, 1))}
 # (program, tile, cluster) -> spilled bytes where a non-default shape spills (none does)
 EXPECTED_SPILLS: dict = {}
@@ -92,17 +88,9 @@ def _compile_and_check(name, program, config, tmp_path):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("tile", [*TILES, "256x128-2x1"])
-@pytest.mark.parametrize("name", sorted(library.programs()))
-def test_library_program_compiles_for_sm100(name, tile, tmp_path):
-    config = PAIR if tile == "256x128-2x1" else BLACKWELL.with_(tile=TILES[tile])
-    _compile_and_check(name, library.get(name), config, tmp_path)
-
-
-@pytest.mark.compile
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("name", SAMPLE)
-def test_sampled_programs_compile_at_the_other_sm100_shapes(name, shape, tmp_path):
+@pytest.mark.parametrize("name", sorted(library.programs()))
+def test_library_program_compiles_for_sm100(name, shape, tmp_path):
     tile, cluster = SHAPES[shape]
     _compile_and_check(name, library.get(name), BLACKWELL.with_(tile=tile, cluster=cluster), tmp_path)
 
