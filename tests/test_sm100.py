@@ -112,14 +112,16 @@ def test_random_compositions_compile_for_sm100(seed, tmp_path):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s not in ("128x256", "128x128")])
 @pytest.mark.parametrize("seed", ("0", "0_extras", "wide_output"))
-def test_random_compositions_compile_for_a_cta_pair(seed, tmp_path):
+def test_random_compositions_compile_at_the_pair_and_cluster_shapes(seed, shape, tmp_path):
     """A tile input with a column maxabs (0), a table with a 128-column segment max (0 extras) and
-    a 2N-wide output beside a row max, at 256x128 (cluster 2x1)."""
+    a 2N-wide output beside a row max, at each CTA-pair and multicast-cluster shape."""
     from random_programs import random_program
 
     program = _wide_output() if seed == "wide_output" else random_program(0, extras=seed.endswith("_extras"))
-    _compile_and_check(seed, program, PAIR, tmp_path)
+    tile, cluster = SHAPES[shape]
+    _compile_and_check(seed, program, BLACKWELL.with_(tile=tile, cluster=cluster), tmp_path)
 
 
 def test_sm100_refuses_what_it_does_not_build():
