@@ -551,3 +551,88 @@ def test_the_segment_reductions_equal_the_reference_when_run_on_cpu_stand_ins(ki
         assert not np.isnan(stored[name][:, :width]).any(), f"{name}: columns never stored"
         np.testing.assert_allclose(stored[name][:, :width], expected[name].double().numpy(), rtol=1e-5, atol=1e-5,
                                    err_msg=name)
+
+
+@cc.epilogue
+def row_reductions(acc, bias: cc.ColVec):
+    """Every row reduction kind over a biased accumulator, beside a stored tile."""
+    y = acc + bias
+    return {"D": y, "s": cc.row_sumsq(y), "m": cc.row_max(y), "a": cc.row_maxabs(y), "l": cc.row_logsumexp(y)}
+
+
+@pytest.mark.parametrize("tile", [*TILES, "256x128-2x1"])
+def test_the_row_reductions_equal_the_reference_when_run_on_cpu_stand_ins(tile):
+    """Run a program's row reductions as generated for sm_100a (the tile's registers, each pair's
+    fold, the tile's partial write) thread by thread on the CPU: thread t holds row t and each
+    subtile's 32 columns as tcgen05.ld leaves them, columns past N zero as TMA fills them.  With
+    one tile along N, each thread's partial must equal the reference's reduction of its row over
+    the first N columns (log-sum-exp: max + log of the sum of exponentials)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from coda_cute.reference import evaluate_accumulator
+
+    config = PAIR if tile == "256x128-2x1" else BLACKWELL.with_(tile=TILES[tile])
+    ctx = lower(row_reductions, config)
+    source = emit(row_reductions, config)
+    helpers = "\n".join(re.findall(r"^def (?:where|logsumexp_\w+)\(.*?(?=^\S)", source, re.M | re.S))
+    tile_m, tile_n = backend("sm_100a").cta_tile(config.tile)
+    epi_n, n = ctx.epi_n, tile_n - 37  # a ragged last tile: columns past N must not count
+    rng = np.random.default_rng(tile_n)
+    accumulator, bias = rng.standard_normal((tile_m, tile_n)), rng.standard_normal(tile_n)
+    accumulator[:, n:], bias[n:] = 0.0, 0.0  # zero-filled by TMA beyond N
+    parts = {name: {} for name in "smal"}
+
+    class Partials:
+        def __init__(self, name):
+            self.name = name
+
+        def __setitem__(self, index, value):
+            parts[self.name][index] = value
+
+    class Scalars:  # a thread's register tensor
+        def __init__(self, size):
+            self.values = [0.0] * size
+
+        def __getitem__(self, i):
+            return self.values[i]
+
+        def __setitem__(self, i, value):
+            self.values[i] = value
+
+        def fill(self, value):
+            self.values = [value] * len(self.values)
+
+    math = SimpleNamespace(max=max, abs=abs, exp=lambda x, fastmath=False: float(np.exp(x)),
+                           log=lambda x, fastmath=False: float(np.log(x)))
+    code = lambda lines: compile("\n".join(lines), "epilogue", "exec")  # noqa: E731
+    prologue, epilogue = code(ctx.tile_prologue), code(ctx.tile_epilogue)
+    pair_loop = code(["slot0, slot1 = 2 * k, 2 * k + 1", "pair0 = subtile * EPI_N + slot0", "pair1 = pair0 + 1",
+                      *ctx.body])
+    for thread in range(tile_m):
+        namespace = dict(
+            EPI_N=epi_n, ctidx=thread, row0=0, col0=0, tile_n=0, M=tile_m, N=n, acc=Scalars(epi_n),
+            frag_out_D=Scalars(epi_n), view_in_bias=bias,
+            part_s=Partials("s"), part_m=Partials("m"), part_a=Partials("a"), part_l=Partials("l"),
+            cutlass=SimpleNamespace(Float32=float, BFloat16=float, range_constexpr=range,
+                                    select_=lambda cond, a, b: a if cond else b),
+            cute=SimpleNamespace(make_rmem_tensor=lambda shape, dtype: Scalars(shape[0]), math=math))
+        exec(helpers, namespace)
+        exec(prologue, namespace)
+        for subtile in range(tile_n // epi_n):
+            namespace["subtile"] = subtile
+            namespace["acc"].values = list(accumulator[thread, epi_n * subtile:epi_n * (subtile + 1)])
+            for k in range(epi_n // 2):
+                namespace["k"] = k
+                exec(pair_loop, namespace)
+        exec(epilogue, namespace)
+    want = evaluate_accumulator(row_reductions, torch.from_numpy(accumulator[:, :n]).float(),
+                                {"bias": torch.from_numpy(bias[:n]).float()}).outputs
+    rows = range(tile_m)
+    for name in "sma":
+        got = np.array([parts[name][(0, row)] for row in rows])
+        np.testing.assert_allclose(got, want[name].double().numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
+    lse = np.array([parts["l"][(0, 0, row)] + np.log(parts["l"][(1, 0, row)]) for row in rows])
+    np.testing.assert_allclose(lse, want["l"].double().numpy(), rtol=1e-5, atol=1e-5, err_msg="l")
