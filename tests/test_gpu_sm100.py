@@ -59,18 +59,14 @@ def _ids(config) -> str:
     return f"{m}x{n}-{cm}x{cn}"
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=_ids)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", LIBRARY)
-def test_library_program_on_blackwell(name, shape, config):
-    tile, cluster = config
-    run_and_compare(_sized(name, shape[1]), *shape, tile=tile, cluster=cluster, schedule="cooperative", arch="sm_100a")
+# every library program at the tiles alone and the CTA pairs; the sample at the multicast clusters
+RUNS = [(name, config) for config in CONFIGS for name in LIBRARY] + \
+       [(name, config) for config in MULTICAST for name in SAMPLE]
 
 
-@pytest.mark.parametrize("config", MULTICAST, ids=_ids)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", SAMPLE)
-def test_sampled_program_with_multicast_on_blackwell(name, shape, config):
+@pytest.mark.parametrize("name,config", RUNS, ids=lambda v: _ids(v) if isinstance(v, tuple) else v)
+def test_library_program_on_blackwell(name, config, shape):
     tile, cluster = config
     run_and_compare(_sized(name, shape[1]), *shape, tile=tile, cluster=cluster, schedule="cooperative", arch="sm_100a")
 
