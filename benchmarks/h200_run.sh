@@ -14,6 +14,9 @@
 #   bash benchmarks/h200_run.sh block [D ...]  # Llama MLP and block, forward + backward
 #                                             # (MODES="default max-autotune-no-cudagraphs": torch.compile
 #                                             # modes; CASES="MLP block LM": only those cases)
+#   bash benchmarks/h200_run.sh programs [MxNxK ...]  # untuned programs: fused / our GEMM, default and
+#                                                    # autotune, vs torch.compile (KINDS="library": only
+#                                                    # those kinds; one kind at one shape per call)
 #   bash benchmarks/h200_run.sh clocks [D]  # SM clock and board power per fused op vs its GEMM
 #                                           # (OPS as for ops)
 #   bash benchmarks/h200_run.sh sanitize  # compute-sanitizer memcheck + racecheck over the library
@@ -26,7 +29,7 @@
 # archived as benchmarks/results/archive/DATE-h200-<what>-<commit>.json; `python
 # benchmarks/report.py` (on any machine) renders the newest into benchmarks/RESULTS.md.
 set -u
-step=${1:?tests, runtime, ops, variants, block, clocks, sanitize or profile}
+step=${1:?tests, runtime, ops, variants, block, programs, clocks, sanitize or profile}
 shift
 out=${OUT:-h200-out}
 mkdir -p "$out"
@@ -63,6 +66,9 @@ case $step in
   block)
     python benchmarks/bench_block.py --d "${@:-4096}" --compile-modes ${MODES:-default} \
       ${CASES:+--cases $CASES} --out "$out/block${CASES:+-$(echo $CASES | tr " " -)}.json" ;;
+  programs)
+    python benchmarks/bench_programs.py --kinds ${KINDS:-library random transcendental} \
+      --shapes "${@:-8192x4096x4096}" --out "$out/programs${KINDS:+-$(echo $KINDS | tr " " -)}-${1:-8192x4096x4096}.json" ;;
   clocks)
     python benchmarks/clocks.py --d "${1:-2048}" ${OPS:+--ops $OPS} \
       --out "$out/clocks-d${1:-2048}$ops_tag.json" ;;

@@ -408,35 +408,10 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return shape
 
 
-def _random_call(program: Program, m: int, n: int, k: int, dtype) -> tuple:
-    """A, B and every operand of ``program`` at that shape, random (class indices where compared)."""
-    import torch
-
-    from .program import index_operands
-
-    indices, operands = index_operands(program), {}
-    for op in program.operands:
-        cols = int(n * op.width) if op.width is not None else None
-        if op.kind == "scalar":
-            operands[op.name] = 1.0
-        elif op.name in indices:
-            operands[op.name] = torch.randint(0, cols or n, (m if op.kind == "row" else cols,), dtype=torch.int32)
-        elif op.kind == "row":
-            operands[op.name] = torch.rand(m) + 0.5
-        elif op.kind == "col":
-            operands[op.name] = (torch.rand(cols) + 0.5).to(dtype)
-        elif op.kind == "tile":
-            operands[op.name] = torch.randn(m, cols).to(dtype)
-        else:
-            operands[op.name] = torch.randn(128, 128)
-    a, b = torch.randn(m, k).to(dtype) / k ** 0.25, torch.randn(n, k).to(dtype) / k ** 0.25
-    return a.cuda(), b.cuda(), {name: t.cuda() if isinstance(t, torch.Tensor) else t for name, t in operands.items()}
-
-
 def cmd_tune(args) -> int:
     import torch
 
-    from .arguments import TORCH_DTYPES, bind
+    from .arguments import TORCH_DTYPES, bind, random_call
     from .cache import get_tuned_kernel, short_config
     from .runtime import Kernel, _candidate_timer
 
@@ -445,7 +420,7 @@ def cmd_tune(args) -> int:
     if not torch.cuda.is_available():
         raise UnsupportedError("tune times kernels on this machine's GPU, and it has none (torch.cuda is not "
                                "available); `coda-cute precompile` builds kernels without one")
-    a, b, operands = _random_call(program, m, n, k, TORCH_DTYPES[args.dtype])
+    a, b, operands = random_call(program, m, n, k, TORCH_DTYPES[args.dtype])
     problem = bind(program, a, b, operands)
     config = Kernel(program, autotune=True).config_for(problem)
     tuned = get_tuned_kernel(program, config, (m, n, k), _candidate_timer(program, problem))
