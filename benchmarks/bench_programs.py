@@ -12,8 +12,8 @@ generator (tests/random_programs.py: elementwise ops, pairs, row and column redu
 inputs); `transcendental`, epilogues made of exp, log, tanh, erf and sigmoid chains (below).
 
 Per program and shape (`--shapes`, MxNxK: 8192x4096x4096 and the d = 2048 8192x2048x2048 by
-default), timed interleaved (`triton.testing.do_bench`, the median step of TIMED_MS after
-STEADY_MS of steps, median over `--reps` rounds, each starting one contender later):
+default), timed interleaved as bench_block.py times steps (`time_interleaved`: do_bench's median
+step after the clock settled, median over `--reps` rounds, each starting one contender later):
     fused           Kernel(program): the default configuration, whatever its rules pick
     fused autotune  Kernel(program, autotune=True): the fastest of the backend's candidates
     GEMM            our plain GEMM (library `gemm`) at the fused kernel's default configuration
@@ -52,11 +52,13 @@ from coda_cute.errors import CodaError  # noqa: E402
 from coda_cute.reference import evaluate_accumulator  # noqa: E402
 from random_programs import random_program  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_block import time_interleaved  # noqa: E402 - settled windows, interleaved rounds
+
 SHAPES = ("8192x4096x4096", "8192x2048x2048")
 KINDS = ("library", "random", "transcendental")
 CONTENDERS = ("fused", "fused autotune", "GEMM", "torch.compile")
 RANDOM_SEEDS = tuple(range(12))
-STEADY_MS, TIMED_MS = 100, 200  # as bench_block: the clock settles under each contender's own draw
 SMOKE_SHAPE = "64x64x32"
 
 
@@ -133,29 +135,6 @@ def _outputs(result, program) -> dict:
 def _relative_error(got: dict, want: dict) -> float:
     return max(((got[k].float() - want[k].float()).norm() / want[k].float().norm().clamp_min(1e-12)).item()
                for k in want)
-
-
-def time_interleaved(contenders: dict, reps: int, smoke: bool) -> dict:
-    """{contender: {"ms", "spread"}}: median over `reps` rounds (each round starts one contender
-    later) of do_bench's median step after STEADY_MS of steps; smoke: one perf_counter call."""
-    if smoke:
-        def bench(f):
-            start = time.perf_counter()
-            f()
-            return (time.perf_counter() - start) * 1e3
-    else:
-        from triton.testing import do_bench
-
-        def bench(f):
-            return do_bench(f, warmup=STEADY_MS, rep=TIMED_MS, return_mode="median")
-    times = {k: [] for k in contenders}
-    names = list(contenders)
-    for round_ in range(reps):
-        start = round_ % len(names)
-        for name in names[start:] + names[:start]:
-            times[name].append(bench(contenders[name]))
-    return {k: {"ms": statistics.median(v), "spread": (max(v) - min(v)) / statistics.median(v)}
-            for k, v in times.items()}
 
 
 def measure(kind: str, program: cc.Program, shape: str, args) -> dict:
