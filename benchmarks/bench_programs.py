@@ -143,7 +143,6 @@ def measure(kind: str, program: cc.Program, shape: str, args) -> dict:
     device = "cpu" if args.smoke else "cuda"
     a, b, operands = random_call(program, m, n, k, torch.bfloat16, device=device)
     fused, tuned = cc.Kernel(program), cc.Kernel(program, autotune=not args.smoke)
-    gemm = cc.Kernel(library.get("gemm"))
     want = evaluate_accumulator(program, (a.float() @ b.float().t()), operands).outputs
     row = {"program": program.name, "kind": kind, "shape": shape}
     got = _outputs(fused(a, b, **operands), program)
@@ -154,8 +153,9 @@ def measure(kind: str, program: cc.Program, shape: str, args) -> dict:
     row["config"] = short_config(fused.last.config) if fused.last.config else None
     row["autotune_config"] = short_config(tuned.last.config) if tuned.last.config else None
     # our plain GEMM at the configuration the fused kernel runs: what its epilogue costs on top
-    plain = cc.Kernel(library.get("gemm"), tile=fused.last.config.tile, cluster=fused.last.config.cluster,
-                      schedule=fused.last.config.schedule) if fused.last.config and not args.smoke else gemm
+    ran = fused.last.config
+    plain = cc.Kernel(library.get("gemm")) if args.smoke else \
+        cc.Kernel(library.get("gemm"), tile=ran.tile, cluster=ran.cluster, schedule=ran.schedule)
     compiled = torch.compile(unfused(program), dynamic=False, **(dict(backend="aot_eager") if args.smoke else {}))
     compiled(a, b, operands)
     contenders = {"fused": lambda: fused(a, b, **operands), "fused autotune": lambda: tuned(a, b, **operands),

@@ -222,8 +222,12 @@ class LlamaMLP(nn.Module):
         nn.init.normal_(self.w_down, std=ffn ** -0.5)
 
     def forward(self, h: torch.Tensor, sumsq: torch.Tensor | None = None):
+        return self._forward(h, sumsq, None)
+
+    def _forward(self, h: torch.Tensor, sumsq: torch.Tensor | None, scaled: torch.Tensor | None):
+        """forward, given ``scaled`` = h * gamma where the GEMM that made h stored it (``LlamaBlock``)."""
         _check_input("LlamaMLP", h, sumsq, self.w_down.t())
-        return _LlamaMLPFunction.apply(h, sumsq, self.gamma, self.w_gate_up, self.w_down, self.eps, None)
+        return _LlamaMLPFunction.apply(h, sumsq, self.gamma, self.w_gate_up, self.w_down, self.eps, scaled)
 
     @torch.no_grad()
     def load_hf(self, norm_weight: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor,
@@ -288,9 +292,9 @@ _COMPILED: dict = {}
 
 
 def _one_pass(function, t: torch.Tensor):
-    """``function`` as torch.compile fuses it (one kernel for the elementwise passes and row
-    reductions of `qkv_gradient`, `rms_statistics`, `cross_entropy_grad`, where plain torch
-    would take several passes) when ``t`` is on the GPU; on the CPU, and under an outer
+    """``function`` as torch.compile fuses it (`qkv_gradient`, `rms_statistics`,
+    `cross_entropy_grad`: elementwise passes and row reductions that plain torch runs as many
+    kernels, Inductor as one to three) when ``t`` is on the GPU; on the CPU, and under an outer
     torch.compile (which fuses it itself), the plain function."""
     if not t.is_cuda or torch.compiler.is_compiling():
         return function
@@ -442,8 +446,7 @@ class LlamaBlock(nn.Module):
         # the O projection's epilogue also scales h by the MLP norm's gamma: the MLP's first GEMM
         # reads that, so no pass folds gamma into its input or weight
         h, sumsq, scaled = self.attention._forward(h, sumsq, self.mlp.gamma)
-        return _LlamaMLPFunction.apply(h, sumsq, self.mlp.gamma, self.mlp.w_gate_up, self.mlp.w_down,
-                                       self.mlp.eps, scaled)
+        return self.mlp._forward(h, sumsq, scaled)
 
     def load_hf(self, layer: dict) -> "LlamaBlock":
         """From a Hugging Face Llama decoder layer's state dict (keys without the layer prefix)."""

@@ -175,8 +175,8 @@ class Kernel:
         problem = bind(self.program, a, b, operands)
         check_outputs(problem, out)
         if not problem.a.is_cuda and not self.strict:
-            arch = self.arch or (GPU_ARCHS[self.gpu] if self.gpu else KernelConfig.arch)
-            return ReferencePlan(self.program, None, None, backend(arch).cta_tile(self.tile or KernelConfig.tile)), problem
+            tile = backend(self.arch or KernelConfig.arch).cta_tile(self.tile or KernelConfig.tile)  # (gpu: in arch)
+            return ReferencePlan(self.program, None, None, tile), problem
         check_kernel_arguments(problem, out)
         config = self.config_for(problem)
         if not problem.a.is_cuda:
@@ -381,8 +381,8 @@ def fill_config(program: Program, m: int, n: int, tile=None, cluster=None, sched
     """(tile, cluster, schedule) with what the caller left out (None) filled by the defaults for
     an M x N output: a tile alone runs cooperative, a schedule alone gets that schedule's default
     tile, a missing cluster follows the default cluster rule.  An arch whose backend has defaults
-    of its own (``Backend.defaults``) fills from those (a cluster: ``Backend.default_cluster``).  `Kernel` fills its configs here, the CLI
-    through ``runtime_defaults``."""
+    of its own (``Backend.defaults``) fills from those (a cluster: ``Backend.default_cluster``).
+    `Kernel` fills its configs here, the CLI through ``runtime_defaults``."""
     fixed = backend(arch).defaults if arch in BACKENDS else None
     if fixed is not None:
         tile = tuple(tile or fixed[0])
