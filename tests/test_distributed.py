@@ -63,6 +63,10 @@ def _train(model, rank=0, world=1):
     return torch.stack(per_step)  # (steps, world)
 
 
+def _say(rank: int, what: str) -> None:
+    print(f"rank {rank}: {what}", flush=True)  # the log shows how far a rank that died got
+
+
 def _worker(out_path: str) -> None:
     import warnings
 
@@ -79,6 +83,7 @@ def _worker(out_path: str) -> None:
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    _say(rank, "joined the group")
     try:
         results = {}
         for mode in ("fsdp2", "ddp"):
@@ -95,10 +100,12 @@ def _worker(out_path: str) -> None:
             params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                       for name, p in model.named_parameters()}  # full_tensor: a collective, on every rank
             results[mode] = {"losses": losses, "params": params, "local": local}
+            _say(rank, f"{mode} trained")
         if rank == 0:
             torch.save(results, out_path)
     finally:
         dist.destroy_process_group()
+    _say(rank, "left the group")
 
 
 def _free_port() -> int:
@@ -107,35 +114,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ranks(tmp_path: Path) -> dict:
-    out = tmp_path / "results.pt"
+def _attempt(folder: Path) -> tuple[list, str]:
+    """Runs the two ranks once: their exit codes (None: killed at the deadline) and, unless
+    both finished, what went wrong with their logs."""
+    folder.mkdir()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(WORLD),
            "OMP_NUM_THREADS": "1",  # two ranks share the cores with this process
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    logs = [tmp_path / f"rank{rank}.log" for rank in range(WORLD)]
+    logs = [folder / f"rank{rank}.log" for rank in range(WORLD)]
     procs = []
     for rank, log in enumerate(logs):
         with open(log, "w") as f:
-            procs.append(subprocess.Popen([sys.executable, __file__, str(out)], stdout=f, stderr=subprocess.STDOUT,
-                                          env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+            procs.append(subprocess.Popen([sys.executable, __file__, str(folder / "results.pt")], stdout=f,
+                                          stderr=subprocess.STDOUT, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
     deadline = time.monotonic() + DEADLINE_S
     try:
         while True:
             codes = [p.poll() for p in procs]
             if all(code == 0 for code in codes):
-                break
+                return codes, ""
             failed = any(code not in (None, 0) for code in codes)
             if failed or time.monotonic() > deadline:
                 why = f"exit codes {codes}" if failed else f"still running after {DEADLINE_S} s"
-                text = "\n".join(f"--- rank {r}:\n{log.read_text()[-4000:]}" for r, log in enumerate(logs))
-                pytest.fail(f"distributed ranks failed ({why})\n{text}")
+                return codes, why + "".join(f"\n--- rank {r}:\n{log.read_text()[-4000:]}" for r, log in enumerate(logs))
             time.sleep(0.1)
     finally:
         for p in procs:  # a failed rank's peer waits in a collective: end it now
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return torch.load(out)
+
+
+def _run_ranks(tmp_path: Path) -> dict:
+    # A second attempt only where a rank was killed by a signal: gloo on a loaded 2-core
+    # machine has aborted a rank once in many runs with no Python error.  A deterministic
+    # fault (ours) fails both attempts, and both attempts' logs are then shown
+    failures = []
+    for attempt in range(2):
+        folder = tmp_path / f"attempt{attempt}"
+        codes, failure = _attempt(folder)
+        if not failure:
+            return torch.load(folder / "results.pt")
+        failures.append(f"attempt {attempt}: {failure}")
+        if not any(code is not None and code < 0 for code in codes):
+            break
+    pytest.fail("distributed ranks failed\n" + "\n".join(failures))
 
 
 def test_fsdp2_and_ddp_on_gloo_match_one_process_step_by_step(tmp_path):
@@ -165,3 +188,7 @@ def test_fsdp2_and_ddp_on_gloo_match_one_process_step_by_step(tmp_path):
 if __name__ == "__main__":  # one rank (see _run_ranks)
     sys.path.insert(0, str(HERE))
     _worker(sys.argv[1])
+    # Leave without the interpreter's teardown: gloo's worker threads can still be joinable
+    # when C++ static destructors run, and then the process aborts ("terminate called without
+    # an active exception") after its work is done and saved
+    os._exit(0)
