@@ -28,6 +28,7 @@ coda-cute contender is under it, and its peak memory over the best torch.compile
 
 The JSON: {"meta": {date, gpu, torch, commit, command}, "rows": [...]}, a row per (case, d):
     {"d", "case", "what", "tokens", "floor_runs" (what the floor runs), LM only: "vocab", "lean_kwargs",
+     "gradient_gib" (h's and the weight's gradients, part of every contender's peak),
      <contender>: {"ms", "spread", "gpu_ms", "gemm_ms", "attention_ms", "finish_ms", "other_ms", "peak_gib",
                    "peak_live": [[GiB, where], ...] (allocated in the step, live at its peak; `peak_live`),
                    "other_kernels": [[name, ms], ...], "finish_kernels": [[name, ms], ...],
@@ -72,8 +73,8 @@ from coda_cute.nn import (  # noqa: E402
     split_gate_up,
 )
 
-# keyword arguments of the lean LM-head contender (saves the tokens x vocab logits); switch here to
-# a future mode, e.g. dict(save_logits=False, chunks=8)
+# keyword arguments of the lean LM-head contender (never holds the tokens x vocab logits; its
+# token chunk is nn.lean_token_chunk's default unless token_chunk is named here)
 LEAN_KWARGS = dict(save_logits=False)
 SHAPES = {2048: (8192, 16, 8), 4096: (14336, 32, 8), 8192: (28672, 64, 8)}  # d -> (ffn, heads, kv heads)
 SMOKE = dict(d=64, shape=(128, 4, 2), tokens=64, seq=32, vocab=256)
@@ -409,7 +410,8 @@ def lm_case(b: Bench, d) -> Case:
         c["Liger"] = b.loss_bwd(lambda x: flce(w, x.reshape(-1, d), target.flatten()), [w], check=True)
     c[FLOOR] = Contender(floor)
     lean = ", ".join(f"{k}={v!r}" for k, v in LEAN_KWARGS.items())
-    return Case(c, "3 cuBLAS GEMMs (logits, dh, dW)", {"vocab": vocab, "lean_kwargs": lean})
+    gradients = (tokens + vocab) * d * w.element_size() / 2 ** 30  # h.grad and w.grad: what every contender makes
+    return Case(c, "3 cuBLAS GEMMs (logits, dh, dW)", {"vocab": vocab, "lean_kwargs": lean, "gradient_gib": gradients})
 
 
 BUILDERS = {"MLP": mlp_case, "block": block_case, "LM": lm_case}
@@ -675,6 +677,9 @@ def print_row(row: dict):
                 summed[name] = summed.get(name, 0.0) + ms
             print(f"  {key}: non-GEMM kernels, ms: " + "; ".join(
                 f"{ms:.3f} {_display(name, 80)}" for name, ms in sorted(summed.items(), key=lambda kv: -kv[1])))
+    if row.get("gradient_gib") is not None and all(v["peak_gib"] is not None for _, v in _contenders(row)):
+        print(f"  peak above the gradients ({row['gradient_gib']:.2f} GiB), GiB: " + "; ".join(
+            f"{key} {v['peak_gib'] - row['gradient_gib']:.2f}" for key, v in _contenders(row)))
     for key, v in _contenders(row):
         if v.get("peak_live") and (key.startswith(CODA) or key.startswith("torch.compile")):
             print(f"  {key}: live at the peak, GiB: " + "; ".join(f"{gib:.3f} {where}" for gib, where in v["peak_live"]))

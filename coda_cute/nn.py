@@ -97,7 +97,6 @@ _OPS = {name: library_op(library.get(name))
 # the pre-activation's gradient written over the saved pre-activation (ops.library_op): one
 # tokens x 2 ffn buffer instead of two through the backward
 _OPS["swiglu_bwd_recompute"] = library_op(library.get("swiglu_bwd_recompute"), overwrite={"D": "preact"})
-_OPS["gemm_accumulate"] = library_op(library.get("gemm_accumulate"), overwrite={"D": "c"})
 
 
 class _LlamaMLPFunction(torch.autograd.Function):
@@ -461,64 +460,111 @@ class LlamaBlock(nn.Module):
         return {**self.attention.hf_weights(), **self.mlp.hf_weights()}
 
 
+_NOTHING_ELSE = (None,) * 6  # no gradient for target, ignore_index, reduction, save_logits, token_chunk, grad_enabled
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
+    """Three ways through the head, one per memory mode (see linear_cross_entropy):
+    "saved": the logits stored, turned into their gradient in backward;
+    "now": lean, the gradients made in the forward per token chunk for a unit upstream
+    gradient, scaled in backward (mean and sum: the upstream gradient is one number);
+    "later": lean, statistics only, the logits recomputed per token chunk in backward with
+    their gradient in the epilogue (reduction "none", whose upstream gradient is per row)."""
+
     @staticmethod
-    def forward(ctx, h, weight, target, ignore_index, reduction, save_logits):
+    def forward(ctx, h, weight, target, ignore_index, reduction, save_logits, token_chunk, grad_enabled):
         h2, t = h.reshape(-1, h.shape[-1]), target.reshape(-1)
         valid = t != ignore_index
         torch._assert_async(((t >= 0) & (t < weight.shape[0]) | ~valid).all(),
                             "linear_cross_entropy: a target is outside [0, vocab) and not ignore_index")
         # int32 class indices, compared with the column index exactly at any vocabulary; -1 matches no column
         t_index = torch.where(valid, t, -1).to(torch.int32)
-        if save_logits:
-            logits, lse, target_logit = _OPS["cross_entropy_stats_save"](h2, weight, t_index)
-        else:
-            (lse, target_logit), logits = _OPS["cross_entropy_stats"](h2, weight, t_index), None
-        per_row = torch.where(valid, lse - target_logit, 0.0)
         count = valid.sum()
-        ctx.save_for_backward(h2, weight, t_index, lse, valid, count, logits)
         ctx.reduction, ctx.shape = reduction, (h.shape, target.shape)
+        # needs_input_grad says what requires a gradient, even under no_grad, where none will come
+        need_dh, need_dw = (grad_enabled and need for need in ctx.needs_input_grad[:2])
+        if save_logits:
+            ctx.mode = "saved"
+            logits, lse, target_logit = _OPS["cross_entropy_stats_save"](h2, weight, t_index)
+            per_row = torch.where(valid, lse - target_logit, 0.0)
+            ctx.save_for_backward(h2, weight, t_index, lse, valid, count, logits)
+        elif reduction == "none" or not (need_dh or need_dw):
+            ctx.mode, ctx.token_chunk = "later", token_chunk
+            lse, target_logit = _OPS["cross_entropy_stats"](h2, weight, t_index)
+            per_row = torch.where(valid, lse - target_logit, 0.0)
+            ctx.save_for_backward(h2, weight, t_index, lse, valid, count)
+        else:
+            ctx.mode = "now"
+            unit = valid / count.clamp_min(1) if reduction == "mean" else valid.float()  # d loss / d row loss
+            per_row = torch.empty(t.shape, dtype=torch.float32, device=t.device)
+
+            def d_logits(rows):  # the chunk's logits GEMM, its loss rows, its logits made their gradient
+                logits, lse, target_logit = _OPS["cross_entropy_stats_save"](h2[rows], weight, t_index[rows])
+                per_row[rows] = torch.where(valid[rows], lse - target_logit, 0.0)
+                return _one_pass(cross_entropy_grad, logits)(logits, lse, t_index[rows], unit[rows], out=logits)
+
+            dh, dw = _head_gradients(h2, weight, token_chunk, d_logits, need_dh, need_dw)
+            ctx.save_for_backward(dh, dw)
         if reduction == "none":
             return per_row.reshape(target.shape)
         return per_row.sum() if reduction == "sum" else per_row.sum() / count.clamp_min(1)
 
     @staticmethod
     def backward(ctx, dloss):
-        h2, weight, t_index, lse, valid, count, logits = ctx.saved_tensors
+        if ctx.mode == "now":  # made for a unit upstream gradient: scaled in place, no host sync
+            dh, dw = ctx.saved_tensors
+            dh, dw = (None if g is None else g.mul_(dloss) for g in (dh, dw))
+            return None if dh is None else dh.reshape(ctx.shape[0]), dw, *_NOTHING_ELSE
+        h2, weight, t_index, lse, valid, count, *logits = ctx.saved_tensors
         if ctx.reduction == "none":
             per_row = dloss.reshape(-1).float()
         else:
             per_row = dloss.float().expand(valid.shape) / (count.clamp_min(1) if ctx.reduction == "mean" else 1)
         per_row = torch.where(valid, per_row, 0.0)
-        if logits is None:
-            dh, dw = _chunked_head_backward(h2, weight, lse, t_index, per_row)
-            return dh.reshape(ctx.shape[0]), dw, None, None, None, None
+        if ctx.mode == "later":
+            def d_logits(rows):  # the logits GEMM again, with their gradient in its epilogue
+                return _OPS["cross_entropy_bwd"](h2[rows], weight, lse[rows], t_index[rows], per_row[rows])
+
+            dh, dw = _head_gradients(h2, weight, ctx.token_chunk, d_logits, *ctx.needs_input_grad[:2])
+            return None if dh is None else dh.reshape(ctx.shape[0]), dw, *_NOTHING_ELSE
         # in place: the logits' memory (tokens x vocab) becomes their gradient's
-        dlogits = _one_pass(cross_entropy_grad, logits)(logits, lse, t_index, per_row, out=logits)
+        dlogits = _one_pass(cross_entropy_grad, logits[0])(logits[0], lse, t_index, per_row, out=logits[0])
         dh = dlogits @ weight  # plain GEMMs: cuBLAS (module docstring)
         dw = dlogits.t() @ h2
-        return dh.reshape(ctx.shape[0]), dw, None, None, None, None
+        return dh.reshape(ctx.shape[0]), dw, *_NOTHING_ELSE
 
 
-#: vocabulary columns whose logits' gradient exists at once in linear_cross_entropy(save_logits=False)
-VOCAB_CHUNK = 4096
+#: the most bytes of logits (or their gradient) that linear_cross_entropy(save_logits=False)
+#: holds at once, which sets its default token chunk: 768 tokens at vocab 128256 in bf16
+LEAN_CHUNK_BYTES = 192 * 2 ** 20
 
 
-def _chunked_head_backward(h, weight, lse, target, dloss):
-    """dh and dW of the LM head without the tokens x vocab gradient: per chunk of VOCAB_CHUNK
-    vocabulary rows, the logits GEMM again with d logits in its epilogue (`cross_entropy_bwd`,
-    targets shifted to the chunk), its rows of dW (cuBLAS, written once), and its share of dh,
-    summed in fp32 by a GEMM whose epilogue adds it to the running sum in place
-    (`gemm_accumulate`).  Extra memory: one chunk of d logits and the fp32 dh."""
-    vocab = weight.shape[0]
-    dw = torch.empty_like(weight)
-    dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-    for start in range(0, vocab, VOCAB_CHUNK):
-        rows = weight[start:start + VOCAB_CHUNK]
-        dlogits = _OPS["cross_entropy_bwd"](h, rows, lse, target - start, dloss)  # (tokens, chunk)
-        torch.matmul(dlogits.t(), h, out=dw[start:start + VOCAB_CHUNK])
-        _OPS["gemm_accumulate"](dlogits, rows.t(), dh)
-    return dh.to(h.dtype), dw
+def lean_token_chunk(vocab: int, dtype: torch.dtype) -> int:
+    """The default token chunk of linear_cross_entropy(save_logits=False): as many tokens as
+    LEAN_CHUNK_BYTES of logits hold, a multiple of 128 (a tile's rows), at least 128."""
+    fits = LEAN_CHUNK_BYTES // (vocab * dtype.itemsize)
+    return max(128, fits // 128 * 128)
+
+
+def _head_gradients(h, weight, chunk, d_logits, need_dh, need_dw):
+    """dh and dW of the LM head one chunk of ``chunk`` tokens at a time: ``d_logits(rows)`` gives
+    the chunk's (tokens, vocab) logits gradient; its dh rows come from one GEMM over the whole
+    vocabulary (written once, no sum), and dW sums the chunks' products in the weight's dtype
+    (cuBLAS addmm, fp32 inside each product, one rounding per chunk).  Extra memory: one chunk's
+    logits gradient, released before the next chunk's is made."""
+    dh = torch.empty_like(h) if need_dh else None
+    dw = torch.empty_like(weight) if need_dw else None
+    for start in range(0, h.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        grad = d_logits(rows)
+        if dh is not None:
+            torch.matmul(grad, weight, out=dh[rows])  # plain GEMMs: cuBLAS (module docstring)
+        if dw is not None and start == 0:
+            torch.matmul(grad.t(), h[rows], out=dw)
+        elif dw is not None:
+            dw.addmm_(grad.t(), h[rows])
+        del grad  # before the next chunk's logits exist
+    return dh, dw
 
 
 def cross_entropy_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, dloss: torch.Tensor,
@@ -535,7 +581,8 @@ def cross_entropy_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Te
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                         ignore_index: int = -100, reduction: str = "mean", save_logits: bool = True) -> torch.Tensor:
+                         ignore_index: int = -100, reduction: str = "mean", save_logits: bool = True,
+                         token_chunk: int | None = None) -> torch.Tensor:
     """``F.cross_entropy(h @ weight.T, target)`` with the cross-entropy in the logits GEMM's epilogue.
 
     Forward (``save_logits=True``, the default): one GEMM whose epilogue stores the logits and
@@ -548,10 +595,21 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
     in place, the backward runs once: a second backward through the same graph
     (retain_graph=True) raises PyTorch's error about a saved tensor modified in place.
 
-    ``save_logits=False`` trades a fourth GEMM for that memory: the forward keeps only the
-    statistics (`cross_entropy_stats`; the logits never reach memory) and the backward runs the
-    logits GEMM again, its epilogue writing d logits (`cross_entropy_bwd`).  On the H200 it takes
-    1.23x (d = 2048) to 1.30x (d = 8192) the default's time.
+    ``save_logits=False`` is the memory-lean mode: the tokens x vocab logits never exist, only
+    one chunk of ``token_chunk`` tokens' logits at a time (default `lean_token_chunk`: what
+    LEAN_CHUNK_BYTES = 192 MiB holds, 768 tokens at vocab 128256 in bf16), so the memory it adds
+    grows with the chunk, not with tokens x vocab.  With reduction "mean" or "sum" the forward
+    makes the gradients too, chunk by chunk, as if the loss's upstream gradient were 1: the
+    chunk's logits GEMM with the statistics in its epilogue (`cross_entropy_stats_save`), one
+    compiled pass turning those logits into their gradient in place, their share of dh (one
+    GEMM over the whole vocabulary) and of dW (summed over the chunks in the weight's dtype, one
+    rounding per chunk, as Liger-Kernel's fused linear cross-entropy does); the backward only
+    scales dh and dW by the upstream gradient.  Those are the three GEMMs of the default mode,
+    done in the forward: a forward whose loss never reaches ``backward`` (with gradients
+    enabled) pays for them anyway; under ``torch.no_grad()`` only the statistics are made.
+    With reduction "none" (a gradient per row) the forward keeps the statistics alone
+    (`cross_entropy_stats`) and the backward runs the logits GEMM again per chunk with the
+    gradient in its epilogue (`cross_entropy_bwd`): four GEMMs.
 
     ``h`` is (..., d), ``weight`` (vocab, d), ``target`` integer class indices of h's leading
     shape; ``reduction`` is "mean" (over non-ignored targets), "sum" or "none".  On the GPU the
@@ -561,6 +619,10 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
         raise ArgumentError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if not isinstance(save_logits, bool):
         raise ArgumentError(f"save_logits must be True or False, got {save_logits!r}")
+    if token_chunk is not None and (type(token_chunk) is not int or token_chunk < 1):
+        raise ArgumentError(f"token_chunk must be a positive int (tokens per chunk) or None, got {token_chunk!r}")
+    if token_chunk is not None and save_logits:
+        raise ArgumentError("token_chunk sets the memory-lean mode's chunk: pass it with save_logits=False")
     if type(ignore_index) is not int:
         raise ArgumentError(f"ignore_index must be an int, got {ignore_index!r}")
     for name, value in (("h", h), ("weight", weight), ("target", target)):
@@ -586,7 +648,9 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
         if wrong.any():
             raise ArgumentError(f"target holds {target[wrong][0].item()}, outside [0, {weight.shape[0]}) and not "
                                 f"ignore_index ({ignore_index})")
-    return _LinearCrossEntropy.apply(h, weight, target, ignore_index, reduction, save_logits)
+    chunk = token_chunk or lean_token_chunk(weight.shape[0], weight.dtype)
+    return _LinearCrossEntropy.apply(h, weight, target, ignore_index, reduction, save_logits, chunk,
+                                     torch.is_grad_enabled())
 
 
 class EpilogueChain(nn.Module):

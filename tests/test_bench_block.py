@@ -100,7 +100,7 @@ def test_smoke_run(bench, tmp_path):
         assert row["dropped"] == {}
         for name in [*ours, "torch eager", *compiled, "floor"]:
             assert {"ms", "spread", "gpu_ms", "peak_gib", "other_kernels", "finish_kernels"} <= set(row[name])
-    assert rows["LM"]["lean_kwargs"] == "save_logits=False"
+    assert rows["LM"]["lean_kwargs"] == "save_logits=False" and rows["LM"]["gradient_gib"] > 0
     assert "under the bar in wall time" in result.stdout
 
 

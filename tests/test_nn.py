@@ -174,10 +174,16 @@ def test_linear_cross_entropy_matches_autograd(reduction, save_logits, gen):
     torch.testing.assert_close(h.grad[0, 3], torch.zeros(16, dtype=torch.float64))  # ignored row
 
 
-@pytest.mark.parametrize("save_logits", [False, True])
-def test_linear_cross_entropy_backward_takes_the_path_asked_for(save_logits, gen, monkeypatch):
-    """Saved logits: no second logits GEMM in backward (cross_entropy_bwd never runs), the forward
-    stores them instead; recomputed: the other way round."""
+@pytest.mark.parametrize("save_logits,reduction,want", [
+    (True, "mean", ["cross_entropy_stats_save"]),  # the logits stored, made their gradient in backward
+    (False, "mean", ["cross_entropy_stats_save"] * 3),  # gradients in the forward, 3 chunks of 2 tokens
+    (False, "sum", ["cross_entropy_stats_save"] * 3),
+    (False, "none", ["cross_entropy_stats"] + ["cross_entropy_bwd"] * 3),  # the logits again in backward
+])
+def test_linear_cross_entropy_takes_the_path_asked_for(save_logits, reduction, want, gen, monkeypatch):
+    """Saved logits: one logits GEMM, nothing recomputed in backward.  Lean: the logits GEMM per
+    token chunk in the forward, or statistics there and per chunk again in backward where each
+    row has its own upstream gradient."""
     import coda_cute.nn as ccnn
 
     ran = []
@@ -185,10 +191,31 @@ def test_linear_cross_entropy_backward_takes_the_path_asked_for(save_logits, gen
         op = ccnn._OPS[name]
         monkeypatch.setitem(ccnn._OPS, name, lambda *args, _op=op, _name=name: ran.append(_name) or _op(*args))
     h = torch.randn(5, 16, generator=gen).requires_grad_()
-    linear_cross_entropy(h, torch.randn(24, 16, generator=gen), torch.randint(0, 24, (5,), generator=gen),
-                         save_logits=save_logits).backward()
-    want = ["cross_entropy_stats_save"] if save_logits else ["cross_entropy_stats", "cross_entropy_bwd"]
+    loss = linear_cross_entropy(h, torch.randn(24, 16, generator=gen), torch.randint(0, 24, (5,), generator=gen),
+                                reduction=reduction, save_logits=save_logits, token_chunk=None if save_logits else 2)
+    loss.sum().backward()
     assert ran == want and h.grad is not None
+
+
+def test_lean_head_without_gradients_makes_statistics_only(gen, monkeypatch):
+    """Under no_grad (or with nothing requiring a gradient) the lean forward makes the loss alone:
+    no gradient GEMMs for a backward that cannot come."""
+    import coda_cute.nn as ccnn
+
+    ran = []
+    for name in ("cross_entropy_stats", "cross_entropy_stats_save"):
+        op = ccnn._OPS[name]
+        monkeypatch.setitem(ccnn._OPS, name, lambda *args, _op=op, _name=name: ran.append(_name) or _op(*args))
+    monkeypatch.setattr(torch, "matmul", None)  # no GEMM outside the ops
+    h, w = torch.randn(5, 16, generator=gen, requires_grad=True), torch.randn(24, 16, generator=gen)
+    target = torch.randint(0, 24, (5,), generator=gen)
+    with torch.no_grad():
+        loss = linear_cross_entropy(h, w, target, save_logits=False)
+    loss_plain = linear_cross_entropy(h.detach(), w, target, save_logits=False)
+    assert ran == ["cross_entropy_stats"] * 2 and not loss.requires_grad
+    want = torch.nn.functional.cross_entropy(h.detach() @ w.t(), target)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss_plain, want, rtol=1e-5, atol=1e-6)
 
 
 def test_cross_entropy_grad_is_the_cross_entropy_bwd_program(gen):
@@ -251,13 +278,20 @@ def test_linear_cross_entropy_rejects_bad_arguments():
         linear_cross_entropy(h, w, torch.full((4,), 40))
     with pytest.raises(cc.ArgumentError, match="save_logits must be True or False, got 'yes'"):
         linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), save_logits="yes")
+    for bad in (0, -4, 2.0, True):
+        with pytest.raises(cc.ArgumentError, match="token_chunk must be a positive int"):
+            linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), save_logits=False, token_chunk=bad)
+    with pytest.raises(cc.ArgumentError, match="pass it with save_logits=False"):
+        linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), token_chunk=2)
 
 
 @pytest.mark.parametrize("save_logits", [False, True])
 def test_linear_cross_entropy_compiles_with_fullgraph(save_logits, gen):
     h, w = torch.randn(6, 16, generator=gen).requires_grad_(), torch.randn(40, 16, generator=gen)
     target = torch.randint(0, 40, (6,), generator=gen)
-    compiled = torch.compile(lambda *args: linear_cross_entropy(*args, save_logits=save_logits), fullgraph=True)
+    lean = {} if save_logits else {"token_chunk": 4}  # two chunks
+    compiled = torch.compile(lambda *args: linear_cross_entropy(*args, save_logits=save_logits, **lean),
+                             fullgraph=True)
     loss = compiled(h, w, target)
     loss.backward()
     h_ref = h.detach().clone().requires_grad_()
@@ -310,21 +344,39 @@ def test_qkv_gradient_rotates_q_and_k_back_and_lays_heads_out_as_the_gemm_wrote_
     torch.testing.assert_close(rowdot, (d_pre * pre).sum(-1).float())
 
 
-def test_lean_head_backward_in_vocabulary_chunks_matches_autograd(gen, monkeypatch):
-    """save_logits=False: d logits one chunk of the vocabulary at a time (a ragged last chunk
-    here), dW written per chunk, dh summed in fp32 in place."""
-    import coda_cute.nn as nn_module
-
-    monkeypatch.setattr(nn_module, "VOCAB_CHUNK", 16)
-    h = torch.randn(2, 5, 16, generator=gen, requires_grad=True)
-    w = (torch.randn(40, 16, generator=gen) * 0.3).requires_grad_()
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("wants", ["both", "h", "weight"])
+def test_lean_head_in_token_chunks_matches_autograd(reduction, wants, gen):
+    """save_logits=False over chunks of 4 tokens (a ragged last one of 2) with an ignored target
+    and an upstream gradient that is not 1: dh rows written per chunk, dW summed over the chunks,
+    only the gradients asked for."""
+    h = torch.randn(2, 5, 16, generator=gen, requires_grad=wants != "weight")
+    w = (torch.randn(40, 16, generator=gen) * 0.3).requires_grad_(wants != "h")
     target = torch.randint(0, 40, (2, 5), generator=gen)
     target[0, 1] = -100
-    linear_cross_entropy(h, w, target, save_logits=False).backward()
-    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    torch.nn.functional.cross_entropy((h2 @ w2.t()).flatten(0, 1), target.flatten()).backward()
-    torch.testing.assert_close(h.grad, h2.grad, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(w.grad, w2.grad, rtol=RTOL, atol=ATOL)
+    loss = linear_cross_entropy(h, w, target, reduction=reduction, save_logits=False, token_chunk=4)
+    h2, w2 = (t.detach().double().requires_grad_(t.requires_grad) for t in (h, w))  # the reference in float64
+    ref = torch.nn.functional.cross_entropy((h2 @ w2.t()).flatten(0, 1), target.flatten(), reduction=reduction)
+    ref = ref.reshape(2, 5) if reduction == "none" else ref
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
+    upstream = torch.rand(ref.shape, generator=gen, dtype=torch.float64) + 0.5
+    loss.backward(upstream.float())
+    ref.backward(upstream)
+    for mine, theirs in ((h, h2), (w, w2)):
+        assert (mine.grad is None) == (not mine.requires_grad)
+        if mine.requires_grad:
+            torch.testing.assert_close(mine.grad.double(), theirs.grad, rtol=1e-4, atol=1e-6)
+    assert wants == "weight" or not h.grad[0, 1].any()  # the ignored row
+
+
+@pytest.mark.parametrize("vocab,dtype,want", [(128256, torch.bfloat16, 768), (128256, torch.float32, 384),
+                                              (32000, torch.bfloat16, 3072), (2 ** 22, torch.bfloat16, 128)])
+def test_lean_token_chunk_holds_at_most_its_bytes_of_logits(vocab, dtype, want):
+    from coda_cute.nn import LEAN_CHUNK_BYTES, lean_token_chunk
+
+    chunk = lean_token_chunk(vocab, dtype)
+    assert chunk == want and chunk % 128 == 0
+    assert chunk * vocab * dtype.itemsize <= LEAN_CHUNK_BYTES or chunk == 128
 
 
 def test_an_op_may_write_an_output_over_an_operand(gen):
