@@ -392,6 +392,9 @@ class _Body:
         if node.op == "load" and self._read_as_index_only(node):
             self.lanes[id(node)] = lanes  # its comparisons read the int32 values themselves
             return
+        if node.op == "cast" and self._stored_only_as_cast(node):
+            self.lanes[id(node)] = self.lanes[id(node.args[0])]  # the store rounds the same way, once
+            return
         base = node.hint or ("acc" if node.op == "acc" else node.attrs[0] if node.op == "load"
                              else f"{node.op.rstrip('_')}{len(self.taken)}")
         names = [self.name(base if count == 1 else f"{base}_{k}") for k in range(count)]
@@ -430,6 +433,15 @@ class _Body:
         readers = [other for other in self.program.nodes if node in other.args]
         return (bool(readers) and all(self._index_operand(other, node) for other in readers)
                 and not any(out.node is node for out in self.program.outputs))
+
+    def _stored_only_as_cast(self, node: Node) -> bool:
+        """Whether a cast's value is only stored, in outputs of the dtype it rounds to: rounding
+        twice to one dtype is rounding once, so the store's own conversion is the cast (derived
+        backwards end in `.to(in)` before their store)."""
+        target = storage(node.attrs[0], self.config)
+        stores = [out for out in self.program.outputs if out.node is node]
+        return (bool(stores) and not any(node in other.args for other in self.program.nodes)
+                and all(out.reduce is None and storage(out.dtype, self.config) == target for out in stores))
 
     def _reads(self, node: Node) -> int:
         """How many times the body reads ``node``'s lanes: as an argument, or as a stored output."""

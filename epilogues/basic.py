@@ -24,5 +24,5 @@ def alpha_beta(acc, c: cc.Tile, alpha: cc.Scalar, beta: cc.Scalar):
 @cc.epilogue
 def gemm_accumulate(acc, c: cc.Tile):
     """D = A @ B.T + C in fp32: sums GEMMs into one fp32 buffer (in place with out={"D": c}),
-    e.g. the LM head's input gradient over vocabulary chunks."""
+    e.g. a product over chunks of K summed without rounding between the chunks."""
     return (acc + c).to(cc.f32)

@@ -228,6 +228,48 @@ def test_derived_backward_compiles_for_sm90a(name, tmp_path):
     assert compiled.spill_bytes == 0
 
 
+def test_a_cast_that_is_only_stored_is_the_stores_own_rounding():
+    """Derived backwards end in `.to(in)` before their store: rounding twice to one dtype is
+    rounding once, so no separate conversion is emitted for it; a cast whose value is also
+    computed with, or stored in another dtype, keeps its own."""
+    from coda_cute.render import emit
+
+    assert "round_pair(" not in emit(derive(library.get("swiglu")).backward, KernelConfig())
+
+    @cc.epilogue
+    def reused(acc):
+        h = (acc * 2.0).to(cc.input_dtype)
+        return {"D": h, "E": h + 1.0}
+
+    @cc.epilogue
+    def widened(acc):
+        return {"D": (acc * 2.0).to(cc.input_dtype).to(cc.f32)}
+
+    for program in (reused, widened):
+        assert "round_pair(" in emit(program, KernelConfig()), program.name
+
+
+@pytest.mark.parametrize("forward,hand_written", [("swiglu", "swiglu_bwd")])
+def test_derived_backward_compiles_to_the_hand_written_kernels_instructions(forward, hand_written, tmp_path):
+    """Same instructions, opcode by opcode, as the hand-written backward (up to a register move
+    or a padding NOP): the derived program costs what it replaces, in SASS, not only in values."""
+    import collections
+    import re
+
+    from coda_cute.compile import compile_program
+
+    def opcodes(program, where):
+        compiled = compile_program(program, KernelConfig(), keep=("sass",), dump_dir=tmp_path / where)
+        sass = compiled.artifacts["sass"].read_text()
+        return collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M))
+
+    derived, theirs = opcodes(derive(library.get(forward)).backward, "derived"), opcodes(library.get(hand_written), "hand")
+    moves = ("MOV", "NOP")  # register moves and alignment padding: the register allocator's and assembler's choice
+    assert sum(theirs.values()) > 1000
+    assert {op: n for op, n in derived.items() if op not in moves} == {op: n for op, n in theirs.items() if op not in moves}
+    assert abs(sum(derived.values()) - sum(theirs.values())) <= 2
+
+
 def _one_op_program(name):
     """D = op(acc, y): every differentiable op of the registry on its own (positive y, x where
     the op needs a positive argument)."""
