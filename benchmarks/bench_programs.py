@@ -9,7 +9,10 @@ against torch.compile of the same math unfused:
 Programs (`--kinds`): `library`, every library program whose operands random inputs can fill
 (`arguments.random_call`; not the RoPE tables' programs); `random`, compositions from the tests'
 generator (tests/random_programs.py: elementwise ops, pairs, row and column reductions, tile
-inputs); `transcendental`, epilogues made of exp, log, tanh, erf and sigmoid chains (below).
+inputs); `transcendental`, epilogues made of exp, log, tanh, erf and sigmoid chains (below);
+`derived`, the backward programs `cc.derive` makes from the library's forward programs (beside
+the hand-written ones of `library`: swiglu's beside swiglu_bwd, cross_entropy_stats' beside
+cross_entropy_bwd).
 
 Per program and shape (`--shapes`, MxNxK: 8192x4096x4096 and the d = 2048 8192x2048x2048 by
 default), timed interleaved as bench_block.py times steps (`time_interleaved`: do_bench's median
@@ -56,7 +59,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_block import time_interleaved  # noqa: E402 - settled windows, interleaved rounds
 
 SHAPES = ("8192x4096x4096", "8192x2048x2048")
-KINDS = ("library", "random", "transcendental")
+KINDS = ("library", "random", "transcendental", "derived")
+# forward programs whose derived backward the benchmark times (those the sm_90a lowering takes)
+DERIVED_FROM = ("swiglu", "bias_gelu", "residual_sumsq", "rms_swiglu_save", "cross_entropy_stats")
 CONTENDERS = ("fused", "fused autotune", "GEMM", "torch.compile")
 RANDOM_SEEDS = tuple(range(12))
 SMOKE_SHAPE = "64x64x32"
@@ -117,6 +122,8 @@ def programs(kinds) -> list[tuple[str, cc.Program]]:
         out += [("random", random_program(seed)) for seed in RANDOM_SEEDS]
     if "transcendental" in kinds:
         out += [("transcendental", p) for p in TRANSCENDENTAL]
+    if "derived" in kinds:
+        out += [("derived", cc.derive(library.get(name)).backward) for name in DERIVED_FROM]
     return out
 
 

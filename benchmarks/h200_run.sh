@@ -15,7 +15,7 @@
 #                                             # (MODES="default max-autotune-no-cudagraphs": torch.compile
 #                                             # modes; CASES="MLP block LM": only those cases)
 #   bash benchmarks/h200_run.sh programs [MxNxK ...]  # untuned programs: fused / our GEMM, default and
-#                                                    # autotune, vs torch.compile (KINDS="library": only
+#                                                    # autotune, vs torch.compile (KINDS="library derived": only
 #                                                    # those kinds; one kind at one shape per call)
 #   bash benchmarks/h200_run.sh clocks [D]  # SM clock and board power per fused op vs its GEMM
 #                                           # (OPS as for ops)
@@ -67,7 +67,7 @@ case $step in
     python benchmarks/bench_block.py --d "${@:-4096}" --compile-modes ${MODES:-default} \
       ${CASES:+--cases $CASES} --out "$out/block${CASES:+-$(echo $CASES | tr " " -)}.json" ;;
   programs)
-    python benchmarks/bench_programs.py --kinds ${KINDS:-library random transcendental} \
+    python benchmarks/bench_programs.py --kinds ${KINDS:-library random transcendental derived} \
       --shapes "${@:-8192x4096x4096}" --out "$out/programs${KINDS:+-$(echo $KINDS | tr " " -)}-${1:-8192x4096x4096}.json" ;;
   clocks)
     python benchmarks/clocks.py --d "${1:-2048}" ${OPS:+--ops $OPS} \

@@ -22,6 +22,7 @@ def test_program_set_covers_the_library_generated_and_transcendental_programs():
     bench = _module()
     kinds = [kind for kind, _ in bench.programs(bench.KINDS)]
     assert kinds.count("random") == 12 and kinds.count("transcendental") == 6 and kinds.count("library") >= 15
+    assert kinds.count("derived") == len(bench.DERIVED_FROM)
     transcendental = {n.op for _, p in bench.programs(["transcendental"]) for n in p.nodes}
     assert {"exp", "log", "tanh", "gelu", "gelu_tanh", "sigmoid", "silu"} <= transcendental
 
@@ -29,11 +30,11 @@ def test_program_set_covers_the_library_generated_and_transcendental_programs():
 def test_smoke_run_times_every_contender(tmp_path):
     out = tmp_path / "programs.json"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_programs.py"), "--smoke",
-                           "--kinds", "random", "transcendental", "--out", str(out)],
+                           "--kinds", "random", "transcendental", "derived", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["meta"]["gpu"] == "cpu (--smoke)" and len(data["rows"]) == 18
+    assert data["meta"]["gpu"] == "cpu (--smoke)" and len(data["rows"]) == 18 + 5
     for row in data["rows"]:
         assert all(row[c]["ms"] > 0 for c in ("fused", "fused autotune", "GEMM", "torch.compile")), row["program"]
         assert row["rel_err"] < 2e-2 and row["fused_over_gemm"] > 0
