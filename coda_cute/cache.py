@@ -56,13 +56,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-import filelock
-
 from . import library
 from .backends.registry import backend
 from .config import KernelConfig
 from .errors import UnsupportedError
-from .lower import lower
 from .program import Program
 
 ENV_DIR = "CODA_CUTE_CACHE_DIR"
@@ -240,6 +237,8 @@ def _load_or_compile(program: Program, config: KernelConfig, key: str) -> CacheE
     entry = _load(folder, key)
     if entry is not None or not writable:
         return entry or _compile(program, config, key)
+    import filelock  # here, not at the top: a warm load never locks, and importing it takes ~10 ms
+
     try:
         locks = _private_subdir(root / "locks")
         lock = filelock.FileLock(str(locks / f"{key}.lock"), timeout=LOCK_TIMEOUT)
@@ -440,6 +439,8 @@ def cached_default(program: Program, config: KernelConfig) -> KernelConfig | Non
 
 
 def _lowers(program: Program, config: KernelConfig) -> bool:
+    from .lower import lower  # only where a default is decided: a warm load needs no lowering
+
     try:
         lower(program, config)
         return True

@@ -94,6 +94,13 @@ def test_entry_is_private_whole_and_reloaded(cache_dir):
     cache._MEMORY.clear()
     again = cache.get_kernel(program, config)
     assert again.origin == "disk" and again.key == entry.key
+    # a fresh process loads it without what only compiling needs (the file lock, the lowering):
+    # importing those would be most of a warm load's time outside the DSL
+    code = ("import sys; from coda_cute import cache, library; from coda_cute.config import KernelConfig; "
+            "e = cache.get_kernel(library.get('gemm'), KernelConfig()); "
+            "print(e.origin, *(m in sys.modules for m in ('filelock', 'coda_cute.lower', 'coda_cute.render')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert loaded.stdout.split() == ["disk", "False", "False", "False"], loaded.stderr[-2000:]
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "manifest"])
