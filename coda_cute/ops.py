@@ -338,6 +338,9 @@ class _ChainFunction(torch.autograd.Function):
                     inputs[i + 1] = outputs[d.recomputed].reshape(ctx.input_meta[i + 1][0])
             if i < n - 1:
                 weight_grads[i + 1] = _weight_gradient(d_acc, inputs[i + 1])
+                # layer i + 1's input (rebuilt above, or kept from the forward) has no reader left:
+                # released before the GEMMs below allocate (tokens x N_i at the step's peak)
+                inputs[i + 1] = result = outputs = None
             d_acc = found.pop("acc", None)
             if d_acc is None:
                 d_acc = inputs[i].new_zeros((*inputs[i].shape[:-1], weights[i].shape[0]))

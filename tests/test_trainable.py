@@ -178,6 +178,37 @@ def test_three_layer_chain_matches_autograd():
         torch.testing.assert_close(a.grad, b.grad, rtol=2e-4, atol=2e-4, msg=lambda msg: f"d {name}: {msg}")
 
 
+def test_chain_backward_releases_each_layer_input_after_its_weight_gradient(monkeypatch):
+    """A middle layer's input (tokens x N, rebuilt in the backward) is released once its weight
+    gradient is made, before the GEMMs of the layers below allocate.  (The last layer's input,
+    saved by the forward for its GEMM again, autograd holds until the backward ends.)"""
+    import weakref
+
+    from coda_cute import ops
+
+    seen, alive_at = [], []
+    real = ops._weight_gradient
+
+    def watched(d_acc, x):
+        alive_at.append([ref() is not None for ref in seen])
+        seen.append(weakref.ref(x))
+        return real(d_acc, x)
+
+    monkeypatch.setattr(ops, "_weight_gradient", watched)
+    gen = torch.Generator().manual_seed(5)
+    m, d, f = 24, 16, 32
+    chain = cc.ops.trainable_chain([geglu, soft_cap, scaled_silu])
+    x = torch.randn(m, d, generator=gen, requires_grad=True)
+    weights = [torch.randn(2 * f, d, generator=gen) * 0.3, torch.randn(d, f, generator=gen) * 0.3,
+               torch.randn(d, d, generator=gen) * 0.3]
+    h, _ = chain(x, weights, [{"rstd": torch.rand(m, generator=gen) + 0.5}, {"bias": torch.zeros(d)},
+                              {"scale": torch.ones(d), "residual": torch.zeros(m, d)}])
+    h.sum().backward()
+    # weight gradients of layers 2, 1, 0 in turn; layer 1's input was rebuilt by layer 0's backward
+    assert [d.recomputed is not None for d in chain.layers] == [True, True, False]
+    assert alive_at == [[], [True], [True, False]] and x.grad is not None
+
+
 def test_chain_arguments_are_checked():
     chain = cc.ops.trainable_chain([soft_cap, soft_cap])
     x, w = torch.randn(8, 8), torch.randn(8, 8)
