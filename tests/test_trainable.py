@@ -307,6 +307,34 @@ def test_last_layer_elementwise_pass_with_a_reduction(monkeypatch):
         torch.testing.assert_close(a.grad, b.grad, rtol=2e-4, atol=2e-4, msg=lambda msg: f"d {name}: {msg}")
 
 
+def test_compiled_passes_hold_more_programs_than_dynamos_recompile_limit():
+    """A chain's last-layer pass is compiled once per program (on the GPU by Inductor; here the
+    aot_eager backend traces the same graph): ten programs, past the 8 recompiles dynamo allows
+    one code object, all compile whole (fullgraph) and equal the interpreter."""
+    from torch._dynamo.utils import counters
+
+    from coda_cute.ops import _compiled_pass, _last_layer
+
+    def scaled_bias(k):
+        @cc.epilogue
+        def scaled_bias(acc, bias: cc.ColVec):
+            return acc * k + bias
+        return scaled_bias
+
+    gen = torch.Generator().manual_seed(9)
+    before = counters["stats"]["unique_graphs"]
+    for k in range(10):
+        d = _last_layer(scaled_bias(k + 2.0), ["acc", "bias"], None)
+        assert d.accumulator == "upstream" and not d.backward.operands  # d acc = k dy, d bias = column sums
+        acc = torch.randn(12, 16, generator=gen)
+        got = _compiled_pass(d.backward, backend="aot_eager", fullgraph=True)(acc, {})
+        want = evaluate_accumulator(d.backward, acc, {}).outputs
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name])
+    assert counters["stats"]["unique_graphs"] - before == 10
+
+
 def test_plain_gemm_trains_without_a_backward_kernel():
     f = trainable(library.get("gemm"))
     assert f.chain.backward_ops == [None]
