@@ -596,9 +596,9 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
     (retain_graph=True) raises PyTorch's error about a saved tensor modified in place.
 
     ``save_logits=False`` is the memory-lean mode: the tokens x vocab logits never exist, only
-    one chunk of ``token_chunk`` tokens' logits at a time (default `lean_token_chunk`: what
-    LEAN_CHUNK_BYTES = 192 MiB holds, 768 tokens at vocab 128256 in bf16), so the memory it adds
-    grows with the chunk, not with tokens x vocab.  With reduction "mean" or "sum" the forward
+    one chunk of ``token_chunk`` tokens' logits at a time (rounded up to a multiple of 8;
+    default `lean_token_chunk`: what LEAN_CHUNK_BYTES = 192 MiB holds, 768 tokens at vocab
+    128256 in bf16), so the memory it adds grows with the chunk, not with tokens x vocab.  With reduction "mean" or "sum" the forward
     makes the gradients too, chunk by chunk, as if the loss's upstream gradient were 1: the
     chunk's logits GEMM with the statistics in its epilogue (`cross_entropy_stats_save`), one
     compiled pass turning those logits into their gradient in place, their share of dh (one
@@ -648,7 +648,9 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
         if wrong.any():
             raise ArgumentError(f"target holds {target[wrong][0].item()}, outside [0, {weight.shape[0]}) and not "
                                 f"ignore_index ({ignore_index})")
-    chunk = token_chunk or lean_token_chunk(weight.shape[0], weight.dtype)
+    # chunks start at multiples of 8 tokens: each chunk's per-token vectors (targets, statistics)
+    # stay 16-byte aligned, as the kernels' vector loads need
+    chunk = -(-token_chunk // 8) * 8 if token_chunk else lean_token_chunk(weight.shape[0], weight.dtype)
     return _LinearCrossEntropy.apply(h, weight, target, ignore_index, reduction, save_logits, chunk,
                                      torch.is_grad_enabled())
 

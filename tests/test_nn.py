@@ -176,7 +176,7 @@ def test_linear_cross_entropy_matches_autograd(reduction, save_logits, gen):
 
 @pytest.mark.parametrize("save_logits,reduction,want", [
     (True, "mean", ["cross_entropy_stats_save"]),  # the logits stored, made their gradient in backward
-    (False, "mean", ["cross_entropy_stats_save"] * 3),  # gradients in the forward, 3 chunks of 2 tokens
+    (False, "mean", ["cross_entropy_stats_save"] * 3),  # gradients in the forward: chunks of 8, 8 and 4 tokens
     (False, "sum", ["cross_entropy_stats_save"] * 3),
     (False, "none", ["cross_entropy_stats"] + ["cross_entropy_bwd"] * 3),  # the logits again in backward
 ])
@@ -190,9 +190,10 @@ def test_linear_cross_entropy_takes_the_path_asked_for(save_logits, reduction, w
     for name in ("cross_entropy_stats", "cross_entropy_stats_save", "cross_entropy_bwd"):
         op = ccnn._OPS[name]
         monkeypatch.setitem(ccnn._OPS, name, lambda *args, _op=op, _name=name: ran.append(_name) or _op(*args))
-    h = torch.randn(5, 16, generator=gen).requires_grad_()
-    loss = linear_cross_entropy(h, torch.randn(24, 16, generator=gen), torch.randint(0, 24, (5,), generator=gen),
-                                reduction=reduction, save_logits=save_logits, token_chunk=None if save_logits else 2)
+    h = torch.randn(20, 16, generator=gen).requires_grad_()
+    # a chunk of 5 tokens is rounded up to 8 (chunks start 16-byte aligned in the per-token vectors)
+    loss = linear_cross_entropy(h, torch.randn(24, 16, generator=gen), torch.randint(0, 24, (20,), generator=gen),
+                                reduction=reduction, save_logits=save_logits, token_chunk=None if save_logits else 5)
     loss.sum().backward()
     assert ran == want and h.grad is not None
 
@@ -287,9 +288,9 @@ def test_linear_cross_entropy_rejects_bad_arguments():
 
 @pytest.mark.parametrize("save_logits", [False, True])
 def test_linear_cross_entropy_compiles_with_fullgraph(save_logits, gen):
-    h, w = torch.randn(6, 16, generator=gen).requires_grad_(), torch.randn(40, 16, generator=gen)
-    target = torch.randint(0, 40, (6,), generator=gen)
-    lean = {} if save_logits else {"token_chunk": 4}  # two chunks
+    h, w = torch.randn(12, 16, generator=gen).requires_grad_(), torch.randn(40, 16, generator=gen)
+    target = torch.randint(0, 40, (12,), generator=gen)
+    lean = {} if save_logits else {"token_chunk": 8}  # two chunks
     compiled = torch.compile(lambda *args: linear_cross_entropy(*args, save_logits=save_logits, **lean),
                              fullgraph=True)
     loss = compiled(h, w, target)
@@ -347,17 +348,17 @@ def test_qkv_gradient_rotates_q_and_k_back_and_lays_heads_out_as_the_gemm_wrote_
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("wants", ["both", "h", "weight"])
 def test_lean_head_in_token_chunks_matches_autograd(reduction, wants, gen):
-    """save_logits=False over chunks of 4 tokens (a ragged last one of 2) with an ignored target
+    """save_logits=False over chunks of 8 tokens (a ragged last one of 2) with an ignored target
     and an upstream gradient that is not 1: dh rows written per chunk, dW summed over the chunks,
     only the gradients asked for."""
-    h = torch.randn(2, 5, 16, generator=gen, requires_grad=wants != "weight")
+    h = torch.randn(2, 9, 16, generator=gen, requires_grad=wants != "weight")
     w = (torch.randn(40, 16, generator=gen) * 0.3).requires_grad_(wants != "h")
-    target = torch.randint(0, 40, (2, 5), generator=gen)
+    target = torch.randint(0, 40, (2, 9), generator=gen)
     target[0, 1] = -100
-    loss = linear_cross_entropy(h, w, target, reduction=reduction, save_logits=False, token_chunk=4)
+    loss = linear_cross_entropy(h, w, target, reduction=reduction, save_logits=False, token_chunk=8)
     h2, w2 = (t.detach().double().requires_grad_(t.requires_grad) for t in (h, w))  # the reference in float64
     ref = torch.nn.functional.cross_entropy((h2 @ w2.t()).flatten(0, 1), target.flatten(), reduction=reduction)
-    ref = ref.reshape(2, 5) if reduction == "none" else ref
+    ref = ref.reshape(2, 9) if reduction == "none" else ref
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
     upstream = torch.rand(ref.shape, generator=gen, dtype=torch.float64) + 0.5
     loss.backward(upstream.float())
