@@ -268,7 +268,8 @@ class CallPlan:
     device: torch.device
     outputs: list  # (name, cols, dtype)
     partials: list  # (name, shape)
-    reshape: dict  # operand name -> shape its tensor is viewed as
+    operands: list  # (name, shape its tensor is viewed as; None: a value, checked every call, op)
+    reductions: list  # (name, whether the finished values take the caller's batch shape)
 
     @classmethod
     def build(cls, program: Program, problem: Problem, config: KernelConfig, function, key) -> "CallPlan":
@@ -279,9 +280,11 @@ class CallPlan:
         outputs = [(arg.of, arg.shape(m, n, k, tile)[1], TORCH_DTYPES[arg.dtype])
                    for arg in arguments if arg.role == "output"]
         partials = [(arg.of, arg.shape(m, n, k, tile)) for arg in arguments if arg.role == "partials"]
-        reshape = {op.name: tuple(problem.operands[op.name].shape) for op in program.operands if op.kind != "scalar"}
+        operands = [(op.name, tuple(problem.operands[op.name].shape) if op.is_tensor else None, op)
+                    for op in program.operands]
+        reductions = [(o.name, o.axis == "row" and len(problem.batch_shape) != 1) for o in program.reductions]
         return cls(program, config, function, key, problem.m, problem.k, problem.batch_shape, problem.a.device,
-                   outputs, partials, reshape)
+                   outputs, partials, operands, reductions)
 
     def run(self, a, b, operands: dict, out: dict | None, return_partials: bool, problem: Problem | None = None):
         # the warm path: everything shape-dependent was decided in build(); reshapes only where
@@ -302,21 +305,19 @@ class CallPlan:
             partials[name] = torch.empty(shape, dtype=torch.float32, device=self.device)
             finished[name] = torch.empty(shape[-1], dtype=torch.float32, device=self.device)
             args += [partials[name], finished[name]]
-        for op in self.program.operands:
-            value = operands[op.name]
-            if not op.is_tensor:  # a value, not part of the signature: checked every call
+        for name, shape, op in self.operands:
+            value = operands[name]
+            if shape is None:  # a value, not part of the signature: checked every call
                 args.append(check_scalar(op, value))
-                continue
-            shape = self.reshape[op.name]
-            args.append(value if value.shape == shape else value.reshape(shape))
+            else:
+                args.append(value if value.shape == shape else value.reshape(shape))
         if self.device.type != "cuda" or self.device.index == torch.cuda.current_device():  # (CPU: test stand-ins)
             self.function(*args)
         else:
             with torch.cuda.device(self.device):
                 self.function(*args)
-        for o in self.program.reductions:
-            value = finished[o.name]
-            results[o.name] = value.reshape(self.batch_shape) if o.axis == "row" and len(self.batch_shape) != 1 else value
+        for name, batched in self.reductions:
+            results[name] = finished[name].reshape(self.batch_shape) if batched else finished[name]
         return _package(self.program, results, partials if return_partials else None)
 
 
