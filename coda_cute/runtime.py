@@ -56,7 +56,7 @@ class SpillWarning(UserWarning):
     """The kernel of a configuration the caller fixed spills registers (slower, still correct)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Launch:
     """What the last call ran (tests use it to prove the generated kernel ran)."""
 
@@ -166,7 +166,7 @@ class Kernel:
         result = plan.run(a, b, operands, out, return_partials, problem)
         if plan.key is not None:
             self.launches += 1
-        self.last = Launch("kernel" if plan.key is not None else "reference", plan.config, plan.key)
+        self.last = plan.launch
         return result
 
     def plan(self, a: torch.Tensor, b: torch.Tensor, operands: dict, out: dict | None):
@@ -242,6 +242,10 @@ class ReferencePlan:
     key: None
     tile: tuple  # the tile whose per-tile partials return_partials gives
 
+    @property
+    def launch(self) -> Launch:
+        return Launch("reference", self.config, None)
+
     def run(self, a, b, operands: dict, out: dict | None, return_partials: bool, problem: Problem | None = None):
         problem = problem or bind(self.program, a, b, operands)
         result = reference.evaluate_problem(problem, tile=self.tile)
@@ -270,6 +274,9 @@ class CallPlan:
     partials: list  # (name, shape)
     operands: list  # (name, shape its tensor is viewed as; None: a value, checked every call, op)
     reductions: list  # (name, whether the finished values take the caller's batch shape)
+
+    def __post_init__(self):
+        self.launch = Launch("kernel", self.config, self.key)  # what Kernel.last says after each call
 
     @classmethod
     def build(cls, program: Program, problem: Problem, config: KernelConfig, function, key) -> "CallPlan":
