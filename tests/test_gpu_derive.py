@@ -11,7 +11,7 @@ import torch
 from coda_cute import library
 from coda_cute.ops import trainable, trainable_chain
 
-from test_trainable import _chain_reference, geglu, scaled_silu, soft_cap
+from test_trainable import _chain_reference, bias_add, geglu, scaled_silu, soft_cap
 
 
 def _hopper() -> bool:
@@ -70,3 +70,26 @@ def test_trainable_bias_gelu_in_bf16():
     for name, a, b in zip(("x", "w", "bias"), mine, ref):
         assert _rel(a.grad, b.grad) < 3e-2, name
     assert f.chain.backward_ops[0].kernel.launches > 0
+
+
+def test_chain_ending_in_a_bias_add_runs_its_last_backward_as_one_compiled_pass():
+    """The last layer's backward reads only the gradient (d acc = dy, d bias = its column sums):
+    an elementwise pass, compiled once for the program (ops._PASSES), matching fp32 autograd."""
+    from coda_cute import ops
+
+    gen = torch.Generator().manual_seed(11)
+    m, d, f = 1000, 256, 384
+    x, w1, w2 = torch.randn(m, d, generator=gen), torch.randn(f, d, generator=gen) / d ** 0.5, \
+        torch.randn(d, f, generator=gen) / f ** 0.5
+    b1, b2 = torch.randn(f, generator=gen) * 0.1, torch.randn(d, generator=gen) * 0.1
+    chain = trainable_chain([soft_cap, bias_add])
+    mine, ref = _leaves([x, w1, w2, b1, b2], torch.bfloat16), _leaves([x, w1, w2, b1, b2], torch.float32)
+    h = chain(mine[0], mine[1:3], [{"bias": mine[3]}, {"bias": mine[4]}])
+    want = (3.0 * torch.tanh((ref[0] @ ref[1].t() + ref[3]) / 3.0)) @ ref[2].t() + ref[4]
+    assert _rel(h, want) < 1e-2
+    g = torch.randn(h.shape, generator=gen).cuda()
+    (h.float() * g).sum().backward()
+    (want * g).sum().backward()
+    for name, a, b in zip(("x", "w1", "w2", "b1", "b2"), mine, ref):
+        assert _rel(a.grad, b.grad) < 3e-2, name
+    assert chain.layers[-1].backward.fingerprint in ops._PASSES
