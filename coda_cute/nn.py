@@ -598,13 +598,13 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
     ``save_logits=False`` is the memory-lean mode: the tokens x vocab logits never exist, only
     one chunk of ``token_chunk`` tokens' logits at a time (rounded up to a multiple of 8;
     default `lean_token_chunk`: what LEAN_CHUNK_BYTES = 192 MiB holds, 768 tokens at vocab
-    128256 in bf16), so the memory it adds grows with the chunk, not with tokens x vocab.  With reduction "mean" or "sum" the forward
-    makes the gradients too, chunk by chunk, as if the loss's upstream gradient were 1: the
-    chunk's logits GEMM with the statistics in its epilogue (`cross_entropy_stats_save`), one
-    compiled pass turning those logits into their gradient in place, their share of dh (one
-    GEMM over the whole vocabulary) and of dW (summed over the chunks in the weight's dtype, one
-    rounding per chunk, as Liger-Kernel's fused linear cross-entropy does); the backward only
-    scales dh and dW by the upstream gradient.  Those are the three GEMMs of the default mode,
+    128256 in bf16), so the memory it adds grows with the chunk, not with tokens x vocab.
+    With reduction "mean" or "sum" the forward makes the gradients too, chunk by chunk, as if
+    the loss's upstream gradient were 1: the chunk's logits GEMM with the statistics in its
+    epilogue (`cross_entropy_stats_save`), one compiled pass turning those logits into their
+    gradient in place, their share of dh (one GEMM over the whole vocabulary) and of dW (summed
+    over the chunks in the weight's dtype, one rounding per chunk, as Liger-Kernel's fused
+    linear cross-entropy does); the backward only scales dh and dW by the upstream gradient.  Those are the three GEMMs of the default mode,
     done in the forward: a forward whose loss never reaches ``backward`` (with gradients
     enabled) pays for them anyway; under ``torch.no_grad()`` only the statistics are made.
     With reduction "none" (a gradient per row) the forward keeps the statistics alone
