@@ -409,6 +409,77 @@ def _saved_by_our_functions(out: torch.Tensor, exclude) -> dict:
     return found
 
 
+def _live_at_peak(step, exclude) -> list[tuple[int, tuple]]:
+    """(elements, shape) of the tensors made during ``step()`` that are live when the most bytes
+    of them are: a dispatch mode follows every op's outputs (not what runs inside our ops, which
+    the kernels do in registers) while some tensor still holds their storage, leaving out the
+    storages of ``exclude`` (inputs, parameters)."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+
+    class Live(TorchDispatchMode):
+        holders, peak, at_peak = {}, 0, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in excluded:
+                    ptr = t.untyped_storage().data_ptr()
+                    alive = [ref for ref in self.holders.get(ptr, ()) if ref() is not None]
+                    self.holders[ptr] = alive + [weakref.ref(t)]
+            live = [next(r() for r in refs if r() is not None) for refs in self.holders.values()
+                    if any(r() is not None for r in refs)]
+            total = sum(t.untyped_storage().nbytes() for t in live)
+            if total > self.peak:
+                self.peak = total
+                self.at_peak = [(t.untyped_storage().nbytes() // t.element_size(), tuple(t.shape)) for t in live]
+            return out
+
+    with Live() as live:
+        step()
+    return live.at_peak
+
+
+@pytest.mark.parametrize("module", ["LlamaMLP", "derived chain"])
+def test_mlp_backward_peak_holds_no_recomputed_activation(module):
+    """At the step's memory peak (Llama's proportions: ffn = 3.5 d, here tokens = 2 d as 8192
+    tokens at d = 4096), the pre-activation (its own gradient written over it) and the gate/up
+    weight's gradient are live, and the recomputed SwiGLU output (tokens x ffn) is not: it is
+    released before the dgrad allocates, in LlamaMLP and in a chain of two programs with derived
+    backwards alike."""
+    torch.manual_seed(0)
+    tokens, d, ffn = 128, 64, 224
+    mlp = LlamaMLP(d, ffn, dtype=torch.float32)
+    h = torch.randn(2, tokens // 2, d, requires_grad=True)
+    if module == "LlamaMLP":
+        def forward():
+            return mlp(h)[0]
+    else:
+        @cc.epilogue
+        def rms_swiglu(acc, rstd: cc.RowVec):
+            gate, up = cc.pairs(acc * rstd)
+            return cc.silu(gate) * up
+
+        chain = cc.ops.trainable_chain([rms_swiglu, library.get("residual_sumsq")], outputs=["D"])
+
+        def forward():
+            x = h.reshape(-1, d)
+            rstd = torch.rsqrt(x.square().mean(-1) + mlp.eps)
+            out, _ = chain(x * mlp.gamma, [mlp.w_gate_up, mlp.w_down], [{"rstd": rstd}, {"residual": x}])
+            return out
+
+    def step():
+        out = forward()
+        out.backward(torch.ones_like(out))
+
+    big = sorted(shape for numel, shape in _live_at_peak(step, [h, *mlp.parameters()]) if numel >= tokens * ffn)
+    assert (tokens, ffn) not in big and (tokens, 2 * ffn) in big and len(big) == 2, big
+
+
 def test_modules_keep_for_backward_what_the_readme_says(gen):
     """LlamaMLP: its input h, its pre-activation z (T x 2 ffn) and rstd; LlamaAttention: rstd,
     the QKV GEMM's output and the attention output feeding the O projection (README, "Training
