@@ -480,6 +480,26 @@ def test_mlp_backward_peak_holds_no_recomputed_activation(module):
     assert (tokens, ffn) not in big and (tokens, 2 * ffn) in big and len(big) == 2, big
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_lean_head_never_holds_more_than_a_chunk_of_logits(reduction, gen):
+    """save_logits=False: no tensor of the step is larger than one chunk of logits (16 tokens x
+    vocab here), in the forward-made gradients ("mean") and the recomputing backward ("none")
+    alike; the default mode's step holds the whole tokens x vocab logits."""
+    tokens, vocab, d, chunk = 64, 512, 8, 16
+    h = torch.randn(tokens, d, generator=gen, requires_grad=True)
+    w = (torch.randn(vocab, d, generator=gen) * 0.3).requires_grad_()
+    target = torch.randint(0, vocab, (tokens,), generator=gen)
+
+    def step(**lean):
+        loss = linear_cross_entropy(h, w, target, reduction=reduction, **lean)
+        loss.backward(torch.ones_like(loss))
+
+    lean = _live_at_peak(lambda: step(save_logits=False, token_chunk=chunk), [h, w, target])
+    assert max(numel for numel, _ in lean) <= chunk * vocab, lean
+    saved = _live_at_peak(step, [h, w, target])
+    assert max(numel for numel, _ in saved) >= tokens * vocab, saved
+
+
 def test_modules_keep_for_backward_what_the_readme_says(gen):
     """LlamaMLP: its input h, its pre-activation z (T x 2 ffn) and rstd; LlamaAttention: rstd,
     the QKV GEMM's output and the attention output feeding the O projection (README, "Training
