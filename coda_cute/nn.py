@@ -604,7 +604,8 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
     epilogue (`cross_entropy_stats_save`), one compiled pass turning those logits into their
     gradient in place, their share of dh (one GEMM over the whole vocabulary) and of dW (summed
     over the chunks in the weight's dtype, one rounding per chunk, as Liger-Kernel's fused
-    linear cross-entropy does); the backward only scales dh and dW by the upstream gradient.  Those are the three GEMMs of the default mode,
+    linear cross-entropy does); the backward only scales dh and dW by the upstream gradient, in
+    place, so it too runs once per forward.  Those are the three GEMMs of the default mode,
     done in the forward: a forward whose loss never reaches ``backward`` (with gradients
     enabled) pays for them anyway; under ``torch.no_grad()`` only the statistics are made.
     With reduction "none" (a gradient per row) the forward keeps the statistics alone

@@ -256,12 +256,14 @@ def test_block_backward_makes_no_zero_gradients_for_its_statistics_or_scaled_inp
     assert fills.made == [] and h.grad is not None
 
 
-def test_saved_logits_become_their_gradient_so_a_second_backward_is_refused(gen):
-    """The backward writes d logits over the saved logits: a second backward through the same
-    graph gets PyTorch's own error, never gradients from overwritten logits."""
+@pytest.mark.parametrize("save_logits", [True, False])
+def test_saved_logits_become_their_gradient_so_a_second_backward_is_refused(save_logits, gen):
+    """The backward writes d logits over the saved logits (lean: scales the gradients the forward
+    made, in place): a second backward through the same graph gets PyTorch's own error, never
+    gradients from overwritten values."""
     h = torch.randn(5, 16, generator=gen).requires_grad_()
     loss = linear_cross_entropy(h, torch.randn(24, 16, generator=gen), torch.randint(0, 24, (5,), generator=gen),
-                                save_logits=True)
+                                save_logits=save_logits)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
