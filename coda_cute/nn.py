@@ -56,7 +56,7 @@ from torch import nn
 
 from . import library
 from .errors import ArgumentError
-from .ops import library_op, trainable_chain
+from .ops import library_op, one_pass, trainable_chain
 
 
 def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -154,7 +154,7 @@ def _norm_operands(h: torch.Tensor, sumsq, gamma: torch.Tensor, w: torch.Tensor,
     if scaled is not None:
         return scaled, w, _rstd(h, sumsq, eps)
     if sumsq is None and h.shape[0] < 2 * w.shape[0]:
-        rstd, scaled = _one_pass(rms_statistics, h)(h, gamma, eps)
+        rstd, scaled = one_pass(rms_statistics, h)(h, gamma, eps)
         return scaled, w, rstd
     rstd = _rstd(h, sumsq, eps)
     return (_times(h, gamma), w, rstd) if h.shape[0] < w.shape[0] else (h, _times(w, gamma), rstd)
@@ -168,7 +168,7 @@ def _times(t: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
 def rms_statistics(h: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rstd, h * gamma): the row statistic of RMSNorm, rsqrt(mean(h^2) + eps) in fp32, and h scaled
     by gamma in h's dtype (the next GEMM's input, normalized by rstd in its epilogue), written so
-    that one pass over h computes both (`_one_pass`)."""
+    that one pass over h computes both (`ops.one_pass`)."""
     hf = h.float()
     return torch.rsqrt(hf.square().mean(-1) + eps), (hf * gamma.float()).to(h.dtype)
 
@@ -265,7 +265,7 @@ def qkv_gradient(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q: torch.
     (position, i)) and all three laid out as the GEMM wrote them; rowdot, (tokens,) fp32, the sum of
     d_pre * pre over each token's row, pre being the GEMM's output before RoPE, which is the sum of
     dq * q + dk * k + dv * v over the attention inputs q, k, v (a rotation keeps dot products).
-    On the GPU `_one_pass` compiles it (autograd would concatenate them first, then rotate)."""
+    On the GPU `ops.one_pass` compiles it (autograd would concatenate them first, then rotate)."""
     batch, n_q, seq, head_dim = dq.shape
     n_kv = dk.shape[1]
     # per element of a pair (2i, 2i + 1) at a position: x' = x * (c, c) + swap(x) * (s, -s)
@@ -285,21 +285,6 @@ def qkv_gradient(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q: torch.
     d_pre[:, :, n_q + n_kv:] = dv.transpose(1, 2)
     rowdot = sum((g.float() * t.float()).sum(dim=(1, 3)) for g, t in ((dq, q), (dk, k), (dv, v)))
     return d_pre.reshape(batch * seq, -1), rowdot.reshape(batch * seq)
-
-
-_COMPILED: dict = {}
-
-
-def _one_pass(function, t: torch.Tensor):
-    """``function`` as torch.compile fuses it (`qkv_gradient`, `rms_statistics`,
-    `cross_entropy_grad`: elementwise passes and row reductions that plain torch runs as many
-    kernels, Inductor as one to three) when ``t`` is on the GPU; on the CPU, and under an outer
-    torch.compile (which fuses it itself), the plain function."""
-    if not t.is_cuda or torch.compiler.is_compiling():
-        return function
-    if function not in _COMPILED:
-        _COMPILED[function] = torch.compile(function)
-    return _COMPILED[function]
 
 
 def _qkv_heads(qkv: torch.Tensor, batch: int, seq: int, heads) -> tuple[torch.Tensor, ...]:
@@ -332,7 +317,7 @@ class _NormQKVRope(torch.autograd.Function):
     def backward(ctx, dq, dk, dv, dresidual):
         h, rstd, gamma, w_qkv, cos, sin, qkv = ctx.saved_tensors
         q, k, v = _qkv_heads(qkv, ctx.shape[0], ctx.shape[1], ctx.heads)
-        d_pre, rowdot = _one_pass(qkv_gradient, dq)(dq, dk, dv, q, k, v, cos, sin)
+        d_pre, rowdot = one_pass(qkv_gradient, dq)(dq, dk, dv, q, k, v, cos, sin)
         dresidual = dresidual.reshape(h.shape).to(h.dtype).contiguous()
         dh, dgamma, dw = _rmsnorm_backward(_OPS, d_pre.to(h.dtype), w_qkv, h, rstd, gamma, dresidual, rowdot)
         return dh.to(dq.dtype).reshape(ctx.shape), None, dgamma, dw, None, None, None, None
@@ -501,7 +486,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             def d_logits(rows):  # the chunk's logits GEMM, its loss rows, its logits made their gradient
                 logits, lse, target_logit = _OPS["cross_entropy_stats_save"](h2[rows], weight, t_index[rows])
                 per_row[rows] = torch.where(valid[rows], lse - target_logit, 0.0)
-                return _one_pass(cross_entropy_grad, logits)(logits, lse, t_index[rows], unit[rows], out=logits)
+                return one_pass(cross_entropy_grad, logits)(logits, lse, t_index[rows], unit[rows], out=logits)
 
             dh, dw = _head_gradients(h2, weight, token_chunk, d_logits, need_dh, need_dw)
             ctx.save_for_backward(dh, dw)
@@ -528,7 +513,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dh, dw = _head_gradients(h2, weight, ctx.token_chunk, d_logits, *ctx.needs_input_grad[:2])
             return None if dh is None else dh.reshape(ctx.shape[0]), dw, *_NOTHING_ELSE
         # in place: the logits' memory (tokens x vocab) becomes their gradient's
-        dlogits = _one_pass(cross_entropy_grad, logits[0])(logits[0], lse, t_index, per_row, out=logits[0])
+        dlogits = one_pass(cross_entropy_grad, logits[0])(logits[0], lse, t_index, per_row, out=logits[0])
         dh = dlogits @ weight  # plain GEMMs: cuBLAS (module docstring)
         dw = dlogits.t() @ h2
         return dh.reshape(ctx.shape[0]), dw, *_NOTHING_ELSE

@@ -321,7 +321,7 @@ class _ChainFunction(torch.autograd.Function):
                 if _hands_on(d.backward):  # e.g. a residual add's: the gradient itself, no pass
                     found = d.assemble({o.name: acc for o in d.backward.outputs})
                 else:
-                    found = d.assemble(_elementwise_pass(d.backward, acc)(acc, given))
+                    found = d.assemble(one_pass(_interpreter_pass(d.backward), acc)(acc, given))
             else:
                 if i == n - 1:  # its GEMM again
                     a, b = inputs[i], weights[i]
@@ -374,30 +374,35 @@ def _overwrite(d: Derivative, last: bool) -> dict[str, str]:
     return {out.name: saved}
 
 
+_COMPILED: dict = {}
+
+
+def one_pass(function, t: torch.Tensor):
+    """``function`` as torch.compile fuses it (elementwise passes and row reductions that plain
+    torch runs as many kernels, Inductor as one to three: nn's `qkv_gradient`, `rms_statistics`,
+    `cross_entropy_grad`, a chain's last-layer backward) when ``t`` is on the GPU; on the CPU,
+    and under an outer torch.compile (which fuses it itself), the plain function."""
+    if not t.is_cuda or torch.compiler.is_compiling():
+        return function
+    if function not in _COMPILED:
+        _COMPILED[function] = torch.compile(function)
+    return _COMPILED[function]
+
+
 _PASSES: dict = {}
 
 
-def _elementwise_pass(backward: Program, acc: torch.Tensor):
-    """``f(acc, operands) -> outputs``: a chain's last-layer backward as an elementwise pass over
-    its upstream gradient: on the GPU one compiled pass (`_compiled_pass`, made once per program);
-    on the CPU, and under an outer torch.compile (which fuses it itself), the interpreter as it is."""
-    if not acc.is_cuda or torch.compiler.is_compiling():
-        return lambda a, operands: evaluate_accumulator(backward, a, operands).outputs
-    if backward.fingerprint not in _PASSES:
-        _PASSES[backward.fingerprint] = _compiled_pass(backward)
-    return _PASSES[backward.fingerprint]
-
-
-def _compiled_pass(program: Program, **options):
+def _interpreter_pass(program: Program):
     """``f(acc, operands) -> outputs``: the reference interpreter over ``program`` given its
-    accumulator, compiled by ``torch.compile(..., **options)`` (Inductor makes it one kernel or a
-    few, where eager PyTorch runs one per node).  Each program gets a code object of its own:
-    dynamo keeps its compiled graphs and counts recompiles per code object, so one shared
-    function would fall back to eager (or, with fullgraph, fail) after 8 programs."""
-    def run(acc, operands):
-        return evaluate_accumulator(program, acc, operands).outputs
-    run.__code__ = run.__code__.replace()  # a fresh code object: a graph cache of its own
-    return torch.compile(run, **options)
+    accumulator, one function per program (made once) with a code object of its own: dynamo
+    keeps its compiled graphs and counts recompiles per code object, so one shared function
+    compiled (`one_pass`) would fall back to eager (or, with fullgraph, fail) after 8 programs."""
+    if program.fingerprint not in _PASSES:
+        def run(acc, operands):
+            return evaluate_accumulator(program, acc, operands).outputs
+        run.__code__ = run.__code__.replace()  # a fresh code object: a graph cache of its own
+        _PASSES[program.fingerprint] = run
+    return _PASSES[program.fingerprint]
 
 
 def _hands_on(backward: Program) -> bool:

@@ -313,7 +313,7 @@ def test_compiled_passes_hold_more_programs_than_dynamos_recompile_limit():
     one code object, all compile whole (fullgraph) and equal the interpreter."""
     from torch._dynamo.utils import counters
 
-    from coda_cute.ops import _compiled_pass, _last_layer
+    from coda_cute.ops import _interpreter_pass, _last_layer
 
     def scaled_bias(k):
         @cc.epilogue
@@ -327,7 +327,7 @@ def test_compiled_passes_hold_more_programs_than_dynamos_recompile_limit():
         d = _last_layer(scaled_bias(k + 2.0), ["acc", "bias"], None)
         assert d.accumulator == "upstream" and not d.backward.operands  # d acc = k dy, d bias = column sums
         acc = torch.randn(12, 16, generator=gen)
-        got = _compiled_pass(d.backward, backend="aot_eager", fullgraph=True)(acc, {})
+        got = torch.compile(_interpreter_pass(d.backward), backend="aot_eager", fullgraph=True)(acc, {})
         want = evaluate_accumulator(d.backward, acc, {}).outputs
         assert got.keys() == want.keys()
         for name in want:
