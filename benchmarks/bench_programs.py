@@ -34,13 +34,9 @@ and worst fused / GEMM and every program torch.compile beats.  Compiling is what
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
 import statistics
-import subprocess
 import sys
-import time
 
 import torch
 
@@ -56,7 +52,7 @@ from coda_cute.reference import evaluate_accumulator  # noqa: E402
 from random_programs import random_program  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_block import time_interleaved  # noqa: E402 - settled windows, interleaved rounds
+from bench_block import time_interleaved, write  # noqa: E402 - settled windows, interleaved rounds; the result file
 
 SHAPES = ("8192x4096x4096", "8192x2048x2048")
 KINDS = ("library", "random", "transcendental", "derived")
@@ -196,23 +192,6 @@ def summary(rows: list[dict]) -> list[str]:
                          f"{max(default):.3f}; autotune median {statistics.median(tuned):.3f} worst {max(tuned):.3f}; "
                          f"torch.compile faster for: {', '.join(beaten) or 'none'}")
     return lines
-
-
-def _commit():
-    if os.environ.get("CODA_COMMIT"):
-        return os.environ["CODA_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
-                              timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def write(path: str, rows: list[dict], smoke: bool):
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": "cpu (--smoke)" if smoke else torch.cuda.get_device_name(),
-            "torch": torch.__version__, "commit": _commit(), "command": "python " + " ".join(map(shlex.quote, sys.argv))}
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 def parse_args(argv=None):
