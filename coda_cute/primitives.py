@@ -95,9 +95,9 @@ def _d_min_max(smaller: bool):
 
 
 def _d_gelu(g, args, y, cc):
-    """Phi(x) + x phi(x), with Phi(x) = gelu(x) / x (0.5 at x = 0)."""
+    """Phi(x) + x phi(x): the normal distribution's CDF (by erf, no division) and density."""
     (x,) = args
-    cdf = cc.where(x == 0.0, 0.5, cc.gelu(x) / cc.where(x == 0.0, 1.0, x))
+    cdf = 0.5 + 0.5 * cc.erf(x * 0.7071067811865476)
     return (g * (cdf + x * cc.exp(-0.5 * x * x) * 0.3989422804014327),)
 
 
@@ -159,6 +159,9 @@ ELEMENTWISE: dict[str, ElementwiseOp] = {op.name: op for op in [
     ElementwiseOp("relu", _X, "float", lambda x: torch.relu(_real(x)), "cute.math.max({0}, 0.0)", keeps_zero=True,
                   doc="max(x, 0).",
                   derivative=lambda g, a, y, cc: (cc.where(a[0] > 0.0, g, 0.0),)),
+    ElementwiseOp("erf", _X, "float", lambda x: torch.erf(_real(x)), "cute.math.erf({0})",
+                  doc="The error function, as CUDA's math library computes it.",
+                  derivative=lambda g, a, y, cc: (g * cc.exp(-(a[0] * a[0])) * 1.1283791670955126,)),
     ElementwiseOp("gelu", _X, "float", lambda x: F.gelu(_real(x)),
                   "0.5 * {0} * (1.0 + cute.math.erf({0} * 0.7071067811865476))",
                   doc="GELU, exact: x * Phi(x) with the normal distribution's CDF.",

@@ -140,7 +140,7 @@ def test_cast_target_and_output_dtype_change_it():
 
 
 def test_every_op_changes_it():
-    unary = [getattr(cc, op) for op in ("exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu",
+    unary = [getattr(cc, op) for op in ("exp", "log", "sqrt", "rsqrt", "tanh", "erf", "sigmoid", "relu", "gelu",
                                         "gelu_tanh", "silu", "square")]
     prints = [fp(bind(lambda acc, f: f(acc), f)) for f in unary]
     prints += [fp(lambda acc: -acc), fp(lambda acc: abs(acc))]

@@ -41,6 +41,7 @@ UNARY = [
     ("sqrt", cc.sqrt),
     ("rsqrt", cc.rsqrt),
     ("tanh", cc.tanh),
+    ("erf", cc.erf),
     ("sigmoid", cc.sigmoid),
     ("relu", cc.relu),
     ("gelu", cc.gelu),
@@ -156,7 +157,7 @@ def test_clamp_variants():
 def test_every_elementwise_op_composes_in_one_program():
     def kitchen_sink(acc, r: cc.RowVec, v: cc.ColVec, t: cc.Tile, s: cc.Scalar):
         x = cc.gelu(acc + v) - cc.gelu_tanh(acc * r) + cc.silu(acc / (abs(v) + 1.0))
-        y = cc.exp(-cc.square(acc)) + cc.log(abs(t) + 1.0) + cc.sqrt(abs(acc)) * cc.rsqrt(abs(t) + 1.0)
+        y = cc.exp(-cc.square(acc)) + cc.erf(t) + cc.log(abs(t) + 1.0) + cc.sqrt(abs(acc)) * cc.rsqrt(abs(t) + 1.0)
         z = cc.tanh(acc) + cc.sigmoid(t) + cc.relu(acc - s) + cc.minimum(acc, t) + cc.maximum(acc, r)
         cond = ((acc < v) & (acc <= t)) | ~((acc > r) | (acc >= s)) | (acc.col == 1) | (acc.row != 2)
         mask = cc.where((acc.col // 2) % 2 == 0, 1.0, 0.0)

@@ -109,6 +109,7 @@ UNARY = {
     "sqrt": (lambda x: cc.sqrt(abs(x)), lambda x: x.abs() ** 0.5),
     "rsqrt": (lambda x: cc.rsqrt(abs(x) + 0.25), lambda x: 1.0 / (x.abs() + 0.25) ** 0.5),
     "tanh": (cc.tanh, lambda x: (torch.exp(2 * x) - 1) / (torch.exp(2 * x) + 1)),
+    "erf": (cc.erf, lambda x: x.cpu().apply_(math.erf).to(x.device)),  # Python's erf, elementwise
     "sigmoid": (cc.sigmoid, lambda x: 1.0 / (1.0 + torch.exp(-x))),
     "relu": (cc.relu, lambda x: torch.where(x > 0, x, torch.zeros_like(x))),
     "gelu": (cc.gelu, lambda x: 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))),
