@@ -498,7 +498,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, dloss):
         if ctx.mode == "now":  # made for a unit upstream gradient: scaled in place, no host sync
             dh, dw = ctx.saved_tensors
-            dh, dw = (None if g is None else g.mul_(dloss) for g in (dh, dw))
+            one_pass(_scale_in_place, dloss)(dh, dw, dloss)
             return None if dh is None else dh.reshape(ctx.shape[0]), dw, *_NOTHING_ELSE
         h2, weight, t_index, lse, valid, count, *logits = ctx.saved_tensors
         if ctx.reduction == "none":
@@ -517,6 +517,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dh = dlogits @ weight  # plain GEMMs: cuBLAS (module docstring)
         dw = dlogits.t() @ h2
         return dh.reshape(ctx.shape[0]), dw, *_NOTHING_ELSE
+
+
+def _scale_in_place(dh: torch.Tensor | None, dw: torch.Tensor | None, dloss: torch.Tensor) -> None:
+    """dh and dW times the upstream gradient (a number on the device), in fp32, over their own
+    memory.  Compiled (`one_pass`): torch's own ``mul_`` by a 0-d device tensor broadcasts it and
+    runs unvectorized, 2.4 ms over the 1 GiB dW of vocab 128256 x 4096 on an H100."""
+    for g in (dh, dw):
+        if g is not None:
+            g.copy_(g.float() * dloss)
 
 
 #: the most bytes of logits (or their gradient) that linear_cross_entropy(save_logits=False)
