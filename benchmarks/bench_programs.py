@@ -128,6 +128,8 @@ def unfused(program: cc.Program):
     its epilogue as PyTorch ops in fp32 (the reference interpreter), outputs as the kernel stores them."""
     def run(a, b, operands):
         return evaluate_accumulator(program, (a @ b.t()).float(), operands).outputs
+    # a code object per program: dynamo counts recompiles per code object and runs eager after 8
+    run.__code__ = run.__code__.replace()
     return run
 
 

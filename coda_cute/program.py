@@ -439,7 +439,7 @@ def index_operands(program: "Program") -> dict[str, tuple[tuple[str, Fraction | 
     """Row and column vectors compared with coordinates, by name: for each, the coordinates it is
     compared with, ('row', None) or ('col', width).  Such a vector holds indices (class targets),
     so its dtype must hold every index of that coordinate exactly (arguments.bind checks)."""
-    found: dict[str, set] = {}
+    found: dict[str, dict] = {}  # dicts as ordered sets: the program's order, no sort (torch.compile traces this)
     for node in program.nodes:
         for arg in node.args:
             if not reads_as_index(node, arg) or not OPERAND_KINDS[program.operand(arg.attrs[0]).kind].holds_indices:
@@ -447,8 +447,8 @@ def index_operands(program: "Program") -> dict[str, tuple[tuple[str, Fraction | 
             for other in node.args:
                 for coord in _walk([other]) if other is not arg else ():
                     if coord.op in ("row", "col"):
-                        found.setdefault(arg.attrs[0], set()).add((coord.op, coord.width))
-    return {name: tuple(sorted(axes, key=str)) for name, axes in found.items()}
+                        found.setdefault(arg.attrs[0], {})[(coord.op, coord.width)] = None
+    return {name: tuple(axes) for name, axes in found.items()}
 
 
 #: ops that are not elementwise: how each value enters or changes column space

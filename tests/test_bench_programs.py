@@ -27,6 +27,19 @@ def test_program_set_covers_the_library_generated_and_transcendental_programs():
     assert {"exp", "log", "tanh", "gelu", "gelu_tanh", "sigmoid", "silu"} <= transcendental
 
 
+def test_torch_compile_contender_is_one_graph_per_program():
+    """torch.compile sees each program's unfused math whole (no graph break, class indices
+    included) and compiles each in its own frame, so a later program does not fall back to eager."""
+    import torch
+
+    bench = _module()
+    for name in ("cross_entropy_stats", "bias_gelu", "swiglu", "rmsnorm_bwd", "residual_sumsq",
+                 "rms_swiglu_save", "gemm", "alpha_beta", "swiglu_bwd", "rope_qkv"):
+        program = bench.library.get(name)
+        a, b, operands = bench.random_call(program, 256, 256, 32, torch.bfloat16, device="cpu")
+        torch.compile(bench.unfused(program), backend="eager", fullgraph=True, dynamic=False)(a, b, operands)
+
+
 def test_smoke_run_times_every_contender(tmp_path):
     out = tmp_path / "programs.json"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_programs.py"), "--smoke",
