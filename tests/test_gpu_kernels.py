@@ -289,6 +289,13 @@ def test_misaligned_pointer_is_rejected_on_a_warm_plan():
         kernel(a[:, 1:65], b)  # same shape and strides, base off by 2 bytes
 
 
+@pytest.mark.parametrize("name", ["bias_gelu", "swiglu", "residual_sumsq", "rms_swiglu_save", "cross_entropy_stats"])
+def test_derived_backward_program(name):
+    """The kernel of a derived backward program (cc.derive), standing alone as a GEMM + epilogue:
+    what bench_programs times and `coda-cute emit --backward` prints."""
+    run_and_compare(cc.derive(library.get(name)).backward, 300, 528, 200)
+
+
 @pytest.mark.parametrize("seed", range(24))
 def test_random_composition(seed):
     import sys
