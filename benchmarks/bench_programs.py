@@ -4,6 +4,7 @@ against torch.compile of the same math unfused:
 
     python benchmarks/bench_programs.py --out programs.json                     # every program, both shapes
     python benchmarks/bench_programs.py --kinds library --shapes 8192x4096x4096 --out lib.json
+    python benchmarks/bench_programs.py --kinds library derived --programs swiglu_bwd swiglu_backward
     python benchmarks/bench_programs.py --smoke --out /tmp/smoke.json           # CPU: the plumbing only
 
 Programs (`--kinds`): `library`, every library program whose operands random inputs can fill
@@ -201,9 +202,15 @@ def parse_args(argv=None):
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), help="MxNxK (A is M x K, B is N x K)")
     parser.add_argument("--reps", type=int, default=3, help="interleaved rounds per contender")
+    parser.add_argument("--programs", nargs="+", metavar="NAME",
+                        help="only the programs of these names (e.g. swiglu_bwd swiglu_backward: a hand-written "
+                             "backward beside its derived one)")
     parser.add_argument("--out", default="programs.json")
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny shape, no autotune: the plumbing only")
     args = parser.parse_args(argv)
+    unknown = set(args.programs or ()) - {program.name for _, program in programs(args.kinds)}
+    if unknown:
+        parser.error(f"--programs: no program of kinds {' '.join(args.kinds)} is named {', '.join(sorted(unknown))}")
     if args.smoke:
         args.shapes, args.reps = [SMOKE_SHAPE], 1
     return args
@@ -215,6 +222,8 @@ def main(argv=None):
     rows, skipped = [], []
     for shape in args.shapes:
         for kind, program in programs(args.kinds):
+            if args.programs and program.name not in args.programs:
+                continue
             try:
                 rows.append(measure(kind, program, shape, args))
             except CodaError as exc:  # a program this shape or these inputs cannot run: said, not hidden

@@ -16,7 +16,8 @@
 #                                             # modes; CASES="MLP block LM": only those cases)
 #   bash benchmarks/h200_run.sh programs [MxNxK ...]  # untuned programs: fused / our GEMM, default and
 #                                                    # autotune, vs torch.compile (KINDS="library derived": only
-#                                                    # those kinds; one kind at one shape per call)
+#                                                    # those kinds; PROGRAMS="swiglu_bwd swiglu_backward": only
+#                                                    # those programs; one kind at one shape per call)
 #   bash benchmarks/h200_run.sh clocks [D]  # SM clock and board power per fused op vs its GEMM
 #                                           # (OPS as for ops)
 #   bash benchmarks/h200_run.sh sanitize  # compute-sanitizer memcheck + racecheck over the library
@@ -68,7 +69,7 @@ case $step in
       ${CASES:+--cases $CASES} --out "$out/block${CASES:+-$(echo $CASES | tr " " -)}.json" ;;
   programs)
     python benchmarks/bench_programs.py --kinds ${KINDS:-library random transcendental derived} \
-      --shapes "${@:-8192x4096x4096}" --out "$out/programs${KINDS:+-$(echo $KINDS | tr " " -)}-${1:-8192x4096x4096}.json" ;;
+      ${PROGRAMS:+--programs $PROGRAMS} --shapes "${@:-8192x4096x4096}" --out "$out/programs${KINDS:+-$(echo $KINDS | tr " " -)}-${1:-8192x4096x4096}.json" ;;
   clocks)
     python benchmarks/clocks.py --d "${1:-2048}" ${OPS:+--ops $OPS} \
       --out "$out/clocks-d${1:-2048}$ops_tag.json" ;;
