@@ -127,15 +127,15 @@ class Kernel:
                               for op in self.program.operands if op.kind == "table")
         # the arch asked for, or the one of the GPU named, or of the device (CPU: Hopper's)
         arch = self.arch or (device_arch(a.device) if a.is_cuda else KernelConfig.arch)
+        gpu = self.gpu or (gpu_model(a.device, arch) if a.is_cuda else DEFAULT_GPUS[arch])
         tile, cluster, schedule = fill_config(self.program, problem.m, problem.n, self.tile, self.cluster,
-                                              self.schedule, arch)
+                                              self.schedule, arch, GPUS[gpu])
         staged = self.stage_tables is not False and any(op.kind == "table" for op in self.program.operands)
         if staged:
             reason = stageable_tables(self.program, problem, backend(arch).cta_tile(tile)[0])
             if reason and self.stage_tables:
                 raise ArgumentError(f"{reason} (or stage_tables=False: gathered)")
             staged = reason is None
-        gpu = self.gpu or (gpu_model(a.device, arch) if a.is_cuda else DEFAULT_GPUS[arch])
         config = KernelConfig(
             arch=arch, gpu=gpu, dtype=short_dtype(a.dtype), majors=majors,
             tile=tuple(tile), cluster=tuple(cluster), schedule=schedule,
@@ -385,7 +385,7 @@ def gpu_model(device: torch.device, arch: str = KernelConfig.arch) -> str:
 
 
 def fill_config(program: Program, m: int, n: int, tile=None, cluster=None, schedule=None,
-                arch: str = KernelConfig.arch) -> tuple:
+                arch: str = KernelConfig.arch, sms: int = GPUS[KernelConfig.gpu]) -> tuple:
     """(tile, cluster, schedule) with what the caller left out (None) filled by the defaults for
     an M x N output: a tile alone runs cooperative, a schedule alone gets that schedule's default
     tile, a missing cluster follows the default cluster rule.  An arch whose backend has defaults
@@ -397,7 +397,7 @@ def fill_config(program: Program, m: int, n: int, tile=None, cluster=None, sched
         return tile, tuple(cluster or backend(arch).default_cluster(tile)), schedule or fixed[2]
     if tile is not None and schedule is None:
         schedule = "cooperative"
-    default = default_tile(program, m, n, schedule)
+    default = default_tile(program, m, n, schedule, sms)
     return tile or default[0], cluster or default[1], schedule or default[2]
 
 
@@ -411,12 +411,14 @@ def runtime_defaults(program: Program, tile=None, cluster=None, schedule=None,
     return tuple(tile), tuple(cluster), schedule
 
 
-def default_tile(program: Program, m: int, n: int,
-                 schedule: str | None = None) -> tuple[tuple[int, int], tuple[int, int], str]:
-    """Tile, cluster and schedule for an M x N output: 128x256 with a 2-CTA cluster for big outputs;
-    ping-pong 128x192 for programs with a heavy epilogue (see _heavy_epilogue).  With a
-    ``schedule`` asked for, the tile for that schedule: ping-pong 128x192 where the epilogue
-    is heavy, else 128x128 (every library program compiles there without spills)."""
+def default_tile(program: Program, m: int, n: int, schedule: str | None = None,
+                 sms: int = GPUS[KernelConfig.gpu]) -> tuple[tuple[int, int], tuple[int, int], str]:
+    """Tile, cluster and schedule for an M x N output on a GPU of ``sms`` SMs: 128x256 with a
+    2-CTA cluster for big outputs; ping-pong 128x192 for programs with a heavy epilogue (see
+    _heavy_epilogue), or 128x128 where 192-column tiles fill the last wave of tiles so poorly
+    that the smaller tile finishes first (_pingpong_tile).  With a ``schedule`` asked for, the
+    tile for that schedule: as above where the epilogue is heavy, else 128x128 (every library
+    program compiles there without spills)."""
     # measured on H200 (benchmarks/results, d = 4096): 128x256 with a 1x2 cluster leads for the
     # GEMM and light epilogues; ping-pong 128x192, where one warpgroup's epilogue runs while the
     # other's WGMMAs keep the tensor cores busy, leads where the epilogue is heavy (SwiGLU bwd
@@ -426,12 +428,23 @@ def default_tile(program: Program, m: int, n: int,
     cluster = (1, 2) if n > 256 else (2, 1) if m > 128 else (1, 1)
     heavy = _heavy_epilogue(program)
     if schedule == "pingpong":
-        return ((128, 192) if heavy else (128, 128)), cluster, "pingpong"
+        return (_pingpong_tile(m, n, sms) if heavy else (128, 128)), cluster, "pingpong"
     if n <= 128:
         return (128, 128), cluster, "cooperative"
     if n >= 1024 and heavy and schedule is None:
-        return (128, 192), cluster, "pingpong"
+        return _pingpong_tile(m, n, sms), cluster, "pingpong"
     return (128, 256), cluster, "cooperative"
+
+
+def _pingpong_tile(m: int, n: int, sms: int) -> tuple[int, int]:
+    """128x192, unless 128x128 tiles take clearly less time by a count of waves: a persistent
+    kernel's time goes as (tiles per SM, rounded up) x (a tile's area).  On an H100 at M = 8192,
+    N = K = 2048 the 704 tiles of 128x192 make 5.33 waves, run as 6, and SwiGLU's backward ran
+    1.18x our GEMM there against 1.00x with 128x128 (8 waves of 1024 tiles); at N = 8192 and
+    16384 the two tie by this count and 128x192 stays (measured faster on the H200)."""
+    def cost(rows: int, cols: int) -> int:
+        return -(-(-(-m // rows) * -(-n // cols)) // sms) * rows * cols
+    return (128, 128) if cost(128, 128) < 0.95 * cost(128, 192) else (128, 192)
 
 
 def _heavy_epilogue(program) -> bool:

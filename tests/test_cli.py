@@ -330,8 +330,9 @@ def test_real_process(kind, tmp_path):
 
 
 # ----------------------------------------------------------------------------- cache / precompile
-def _runtime_key(name: str, m=1024, n=1024, k=64, **dtypes):
-    """The cache key a GPU call of Kernel(program) would ask for (computed on CPU tensors)."""
+def _runtime_key(name: str, m=8192, n=8192, k=64, **dtypes):
+    """The cache key a GPU call of Kernel(program) would ask for at the large problem precompile
+    builds for (8192 x 8192, computed on CPU tensors)."""
     program = library.get(name)
     a, b = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16)
     operands = {}

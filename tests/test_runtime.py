@@ -114,10 +114,29 @@ def test_kernel_fills_only_what_the_caller_left_out(given, want):
     """A given schedule or cluster is kept when the tile is left to the defaults (both were
     replaced by the defaults before)."""
     program = library.get("swiglu_bwd")
-    a, b = torch.randn(2048, 64, dtype=torch.bfloat16), torch.randn(2048, 64, dtype=torch.bfloat16)
-    problem = bind(program, a, b, {"preact": torch.randn(2048, 4096, dtype=torch.bfloat16)})
+    a, b = torch.randn(2048, 64, dtype=torch.bfloat16), torch.randn(3072, 64, dtype=torch.bfloat16)
+    problem = bind(program, a, b, {"preact": torch.randn(2048, 6144, dtype=torch.bfloat16)})
     config = Kernel(program, gpu="H200", **given).config_for(problem)
     assert (config.tile, config.cluster, config.schedule) == want
+
+
+@pytest.mark.parametrize("m,n,gpu,tile", [
+    (8192, 2048, "H200", (128, 128)),  # 704 tiles of 128x192: 5.33 waves on 132 SMs, run as 6
+    (4096, 4096, "H100", (128, 128)),
+    (8192, 8192, "H200", (128, 192)),  # the MLP's SwiGLU backward at d = 2048: a tie by waves
+    (8192, 16384, "H200", (128, 192)),
+    (4096, 3072, "H200", (128, 192)),  # 512 tiles of 128x192: 3.9 waves on 132 SMs
+    (4096, 3072, "H100-PCIe", (128, 128)),  # 4.5 waves on 114, run as 5; 768 of 128x128: 6.7, run as 7
+])
+def test_heavy_epilogue_tile_counts_waves(m, n, gpu, tile):
+    """Ping-pong 128x192 for a heavy epilogue, unless 128x128's whole waves take clearly less
+    time on the GPU's SMs (runtime._pingpong_tile), with the schedule left out or asked for."""
+    program = library.get("swiglu_bwd")
+    a, b = torch.empty(m, 64, dtype=torch.bfloat16), torch.empty(n, 64, dtype=torch.bfloat16)
+    problem = bind(program, a, b, {"preact": torch.empty(m, 2 * n, dtype=torch.bfloat16)})
+    for schedule in (None, "pingpong"):
+        config = Kernel(program, gpu=gpu, schedule=schedule).config_for(problem)
+        assert (config.tile, config.schedule) == (tile, "pingpong")
 
 
 @pytest.mark.parametrize("name,schedule", [
