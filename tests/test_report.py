@@ -34,8 +34,12 @@ def test_report_renders_ops_block_and_runtime_files(tmp_path):
     runtime = {"meta": meta, "kernels": [{"program": "gemm", "compile_s": 0.9, "first_call_s": 1.0, "warm_load_ms": 41.0,
                                           "import_ms": 9.0, "library_ms": 4.0, "key_ms": 23.0, "load_ms": 5.0}],
                "host_overhead_us": {"gemm": {"coda-cute host": 13.9, "cuBLAS host": 14.1}}}
+    programs = {"meta": meta, "rows": [
+        {"program": "swiglu_bwd", "kind": "library", "shape": "8192x2048x2048", "config": "tile 128x192 pingpong",
+         "autotune_config": "tile 128x128 pingpong", "fused": _timing(0.118), "fused autotune": _timing(0.1),
+         "GEMM": _timing(0.1), "torch.compile": _timing(1.0), "fused_over_gemm": 1.18}]}
     paths = []
-    for name, data in (("ops", ops), ("block", block), ("runtime", runtime)):
+    for name, data in (("ops", ops), ("block", block), ("programs", programs), ("runtime", runtime)):
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(json.dumps(data))
     out = tmp_path / "RESULTS.md"
@@ -49,6 +53,9 @@ def test_report_renders_ops_block_and_runtime_files(tmp_path):
     assert "| block forward+backward | coda-cute | 5.500 | 5 % | 0.957 | 5.250 | 12.5 |" in text
     assert "| block forward+backward | torch.compile | 5.750 | 5 % | 1.000 | - | - |" in text
     assert "| gemm | 0.9 | 1.0 | 41.0 | 9.0 / 4.0 / 23.0 / 5.0 | - |" in text and "| gemm | 13.9 | 14.1 | - | - |" in text
+    assert "## Programs nobody tuned" in text and "programs.json`: programs" in text
+    assert ("| swiglu_bwd | library | 8192x2048x2048 | 1.180 | 1.000 | 10.000 | tile 128x192 pingpong | "
+            "tile 128x128 pingpong |") in text
     assert "gone.json`: **missing**" in text and "gone.json: missing" in done.stderr
     assert "sm_100a (Blackwell) kernels are\ncompile-verified only" in text, "RESULTS must say Blackwell never ran"
 
