@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 INPUTS = [
     ("results/archive/2026-12-06e-h100-d2048-d4096-mlp-7d0b786.json",
      "On an H100 80GB HBM3 (no H200 was lent that day): compare within this table only. 5 rounds. Another "
-     "H100's run of the same MLP code (3b6edf3, 321ca57) gave coda-cute 11.20 GPU ms at d = 4096, not 12.94."),
+     "H100's run of the same MLP kernels (321ca57, `archive/2026-12-06e-h100-d4096-LM-MLP-321ca57.json`) gave coda-cute 11.20 GPU ms at d = 4096, not 12.94."),
     ("results/archive/2026-12-06e-h100-d2048-block-3b6edf3.json",
      "On an H100 80GB HBM3 (no H200 was lent that day): compare within this table only. 5 rounds."),
     ("results/archive/2026-12-06e-h100-d4096-block-3b6edf3.json",
