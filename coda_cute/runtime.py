@@ -27,6 +27,7 @@ is cached beside the kernels, so a later process starts with it).
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 from dataclasses import dataclass
@@ -443,7 +444,8 @@ def _pingpong_tile(m: int, n: int, sms: int) -> tuple[int, int]:
     1.18x our GEMM there against 1.00x with 128x128 (8 waves of 1024 tiles); at N = 8192 and
     16384 the two tie by this count and 128x192 stays (measured faster on the H200)."""
     def cost(rows: int, cols: int) -> int:
-        return -(-(-(-m // rows) * -(-n // cols)) // sms) * rows * cols
+        tiles = math.ceil(m / rows) * math.ceil(n / cols)
+        return math.ceil(tiles / sms) * rows * cols  # whole waves x a tile's area
     return (128, 128) if cost(128, 128) < 0.95 * cost(128, 192) else (128, 192)
 
 
