@@ -31,7 +31,7 @@ The JSON: {"meta": {date, gpu, torch, commit, command}, "rows": [...]}, a row pe
      "gradient_gib" (h's and the weight's gradients, part of every contender's peak),
      <contender>: {"ms", "spread", "gpu_ms", "gemm_ms", "attention_ms", "finish_ms", "other_ms", "peak_gib",
                    "peak_live": [[GiB, where], ...] (allocated in the step, live at its peak; `peak_live`),
-                   "other_kernels": [[name, ms], ...], "finish_kernels": [[name, ms], ...],
+                   "gemm_kernels", "other_kernels", "finish_kernels": [[name, ms], ...] each,
                    checked ones: "rel_err": [output, input gradient]},
      "bar": {"best_compile": {metric: contender}, "wall_bar_ms", "gpu_bar_ms",
              <coda-cute contender>: {"under_wall", "under_gpu", "peak_ratio"}},
@@ -129,16 +129,16 @@ def short_name(name: str) -> str:
 
 def summarize(kernels: list[tuple[str, float]]) -> dict:
     """One step's kernels (name, ms, in launch order) -> GPU time in total and per kind, and the
-    'other' and 'finish' kernels one by one."""
+    'gemm', 'other' and 'finish' kernels one by one (the GEMMs: to compare each with the floor's)."""
     total = {"gemm": 0.0, "attention": 0.0, "finish": 0.0, "other": 0.0}
-    listed = {"finish": [], "other": []}
+    listed = {"gemm": [], "finish": [], "other": []}
     for name, ms in kernels:
         kind = kernel_kind(name)
         total[kind] += ms
         if kind in listed:
             listed[kind].append([short_name(name), round(ms, 4)])
     return {"gpu_ms": sum(total.values()), **{f"{k}_ms": v for k, v in total.items()},
-            "other_kernels": listed["other"], "finish_kernels": listed["finish"]}
+            "gemm_kernels": listed["gemm"], "other_kernels": listed["other"], "finish_kernels": listed["finish"]}
 
 
 # ----------------------------------------------------------------------------------- contenders
@@ -599,7 +599,7 @@ def measure_case(b: Bench, name: str, d: int) -> dict:
     for key, contender in case.contenders.items():
         if b.smoke:
             row[key].update({k: None for k in ("gpu_ms", "gemm_ms", "attention_ms", "finish_ms", "other_ms")},
-                            peak_gib=None, peak_live=[], other_kernels=[], finish_kernels=[])
+                            peak_gib=None, peak_live=[], gemm_kernels=[], other_kernels=[], finish_kernels=[])
         else:
             row[key]["peak_gib"] = peak_gib(contender)
             row[key]["peak_live"] = peak_live(contender)
@@ -677,6 +677,10 @@ def print_row(row: dict):
                 summed[name] = summed.get(name, 0.0) + ms
             print(f"  {key}: non-GEMM kernels, ms: " + "; ".join(
                 f"{ms:.3f} {_display(name, 80)}" for name, ms in sorted(summed.items(), key=lambda kv: -kv[1])))
+    for key, v in _contenders(row):
+        if (key.startswith(CODA) or key == FLOOR) and v.get("gemm_kernels"):
+            print(f"  {key}: GEMMs in launch order, ms: " + "; ".join(
+                f"{ms:.3f} {_display(name, 40)}" for name, ms in v["gemm_kernels"]))
     if row.get("gradient_gib") is not None and all(v["peak_gib"] is not None for _, v in _contenders(row)):
         print(f"  peak above the gradients ({row['gradient_gib']:.2f} GiB), GiB: " + "; ".join(
             f"{key} {v['peak_gib'] - row['gradient_gib']:.2f}" for key, v in _contenders(row)))
