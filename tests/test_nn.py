@@ -347,6 +347,27 @@ def test_qkv_gradient_rotates_q_and_k_back_and_lays_heads_out_as_the_gemm_wrote_
     torch.testing.assert_close(rowdot, (d_pre * pre).sum(-1).float())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_qkv_gradient_of_16_bit_pairs_as_words_is_the_fp32_result_rounded_once(dtype, gen):
+    """16-bit gradients go through 32-bit words (one pair each); the result must be the fp32
+    path's, rounded once to the dtype, bit for bit, also for gradients that are views of
+    one buffer as attention hands them back."""
+    from coda_cute.nn import qkv_gradient
+
+    batch, seq, hd, nq, nkv = 2, 7, 16, 4, 2
+    angles = torch.rand(seq, hd // 2, generator=gen) * 6
+    grads = (torch.randn(batch, seq, (nq + 2 * nkv) * hd, generator=gen) * 50).to(dtype)
+    ins = torch.randn(batch, seq, (nq + 2 * nkv) * hd, generator=gen).to(dtype)
+
+    def heads(t):
+        return [x.view(batch, seq, -1, hd).transpose(1, 2) for x in t.split([nq * hd, nkv * hd, nkv * hd], -1)]
+    d_pre, rowdot = qkv_gradient(*heads(grads), *heads(ins), angles.cos(), angles.sin())
+    want, want_rowdot = qkv_gradient(*heads(grads.float()), *heads(ins.float()), angles.cos(), angles.sin())
+    assert d_pre.dtype == dtype
+    assert torch.equal(d_pre, want.to(dtype))
+    torch.testing.assert_close(rowdot, want_rowdot, rtol=1e-6, atol=1e-4)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("wants", ["both", "h", "weight"])
 def test_lean_head_in_token_chunks_matches_autograd(reduction, wants, gen):
