@@ -34,6 +34,16 @@ HERE = Path(__file__).resolve().parent
 #: the newest archived run of each kind for each d, newest first (paths relative to benchmarks/);
 #: an entry may be (path, note), the note printed under that file's tables' heading
 INPUTS = [
+    ("results/archive/2026-12-06f-h100-d8192-mlp-block-13ee467.json",
+     "On an H100 80GB HBM3 (no H200 was lent that day): compare within this table only. 5 rounds; the block's "
+     "coda-cute wall times spread 14.6 %."),
+    ("results/archive/2026-12-06f-h100-d2048-block-13ee467.json",
+     "On an H100 80GB HBM3: after 13ee467 (the q/k/v gradient pass on 32-bit words). 5 rounds."),
+    ("results/archive/2026-12-06f-h100-d4096-block-13ee467.json",
+     "On an H100 80GB HBM3: after 13ee467 (the q/k/v gradient pass on 32-bit words). 5 rounds. The floor's "
+     "GPU time (15.82 ms) is 0.76 ms above its 3b6edf3 run's on another H100: its cuBLAS GEMMs took 14.44 ms, not 13.75."),
+    ("results/archive/2026-12-06f-h100-d2048-mlp-block-5e5851b.json",
+     "On an H100 80GB HBM3, before 13ee467. 5 rounds."),
     ("results/archive/2026-12-06e-h100-d2048-d4096-mlp-7d0b786.json",
      "On an H100 80GB HBM3 (no H200 was lent that day): compare within this table only. 5 rounds. Another "
      "H100's run of the same MLP kernels (321ca57, `archive/2026-12-06e-h100-d4096-LM-MLP-321ca57.json`) gave coda-cute 11.20 GPU ms at d = 4096, not 12.94."),
