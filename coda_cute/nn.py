@@ -277,11 +277,9 @@ def qkv_gradient(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q: torch.
 
     def back(t: torch.Tensor) -> torch.Tensor:  # (batch, heads, seq, hd) -> (batch, seq, heads, ...) turned back
         t = t.transpose(1, 2)
-        if words:
-            x0, x1 = _word_halves(_pair_words(t), t.dtype)
-            return _halves_word(x0 * c + x1 * s, x1 * c - x0 * s, t.dtype)
-        x0, x1 = t[..., 0::2].float(), t[..., 1::2].float()
-        return torch.stack([x0 * c + x1 * s, x1 * c - x0 * s], dim=-1).flatten(-2).to(t.dtype)
+        x0, x1 = _word_halves(_pair_words(t), t.dtype) if words else (t[..., 0::2].float(), t[..., 1::2].float())
+        y0, y1 = x0 * c + x1 * s, x1 * c - x0 * s  # each pair (x0, x1) turned by minus its angle
+        return _halves_word(y0, y1, t.dtype) if words else torch.stack([y0, y1], dim=-1).flatten(-2).to(t.dtype)
 
     # written into slices of one buffer: torch.compile makes this one pass, where a concatenation
     # of the three would read and write the gradients twice
@@ -297,8 +295,8 @@ def qkv_gradient(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q: torch.
 def _pair_words(t: torch.Tensor) -> torch.Tensor:
     """A 16-bit tensor (..., 2n) as int32 words (..., n): word i holds elements 2i (its low half,
     little-endian) and 2i + 1 (its high half)."""
-    if t.stride(-1) != 1 or any(stride % 2 for stride in t.stride()[:-1]):
-        t = t.contiguous()
+    if t.stride(-1) != 1 or t.storage_offset() % 2 or any(stride % 2 for stride in t.stride()[:-1]):
+        t = t.clone(memory_format=torch.contiguous_format)  # a copy from offset 0 (contiguous() may keep t)
     return t.view(torch.int32)
 
 

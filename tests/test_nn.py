@@ -368,6 +368,17 @@ def test_qkv_gradient_of_16_bit_pairs_as_words_is_the_fp32_result_rounded_once(d
     torch.testing.assert_close(rowdot, want_rowdot, rtol=1e-6, atol=1e-4)
 
 
+def test_pair_words_of_views_that_cannot_be_reread_as_words():
+    """An odd start or an odd stride cannot be viewed as int32 words: those are copied first."""
+    from coda_cute.nn import _pair_words
+
+    buf = torch.arange(40, dtype=torch.bfloat16)
+    for t in (buf[1:17], buf.view(8, 5)[:, 1:5], buf.view(4, 10)[:, :8:2], buf[:16]):
+        words = _pair_words(t)
+        assert words.dtype == torch.int32 and words.shape[-1] == t.shape[-1] // 2
+        assert torch.equal(words.view(torch.bfloat16).reshape(t.shape), t)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("wants", ["both", "h", "weight"])
 def test_lean_head_in_token_chunks_matches_autograd(reduction, wants, gen):
