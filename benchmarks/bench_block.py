@@ -732,12 +732,13 @@ def _commit():
         return "unknown"
 
 
-def write(path, rows, smoke):
+def write(path, rows, smoke, extra: dict | None = None):
+    """The result file: {"meta": {date, gpu, torch, commit, command}, "rows": rows, **extra}."""
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": "cpu (--smoke)" if smoke else torch.cuda.get_device_name(),
             "torch": torch.__version__, "commit": _commit(),
             "command": "python " + " ".join(map(shlex.quote, sys.argv))}
     with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        json.dump({"meta": meta, "rows": rows, **(extra or {})}, f, indent=1)
 
 
 def parse_args(argv=None):

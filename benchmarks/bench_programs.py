@@ -25,11 +25,16 @@ step after the clock settled, median over `--reps` rounds, each starting one con
                     traced by torch.compile, so Inductor fuses it into as few kernels as it can)
 The fused kernels are checked against the reference before timing (relative norm < 2e-2).
 
+Compiling is most of a run's time (autotune alone builds ~7 candidates per program), so on the
+GPU every kernel the rows load (each program's default, its autotune candidates and the plain
+GEMM beside it) is first built into the disk cache by `--jobs` worker processes
+(`coda_cute.precompile`); the rows then load them.
+
 The JSON: {"meta": {date, gpu, torch, commit, command}, "rows": [{"program", "kind", "shape",
 "config" (the default's), "autotune_config", <contender>: {"ms", "spread"}, "fused_over_gemm",
-"autotune_over_gemm", "compile_over_fused", "rel_err"}]}; the summary prints per kind the median
-and worst fused / GEMM and every program torch.compile beats.  Compiling is what takes time
-(autotune builds ~7 candidates per program): one 10-minute call holds one kind at one shape.
+"autotune_over_gemm", "compile_over_fused", "rel_err", "seconds" {"build", "timed"}}], "precompile": {"kernels", "seconds",
+"failed"}}; the summary prints per kind the median and worst fused / GEMM and every program
+torch.compile beats.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -46,9 +52,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import coda_cute as cc  # noqa: E402
 from coda_cute import library  # noqa: E402
-from coda_cute.arguments import random_call  # noqa: E402
-from coda_cute.cache import short_config  # noqa: E402
+from coda_cute.arguments import bind, random_call  # noqa: E402
+from coda_cute.cache import short_config, tune_candidates  # noqa: E402
 from coda_cute.errors import CodaError  # noqa: E402
+from coda_cute.precompile import precompile_pairs  # noqa: E402
 from coda_cute.reference import evaluate_accumulator  # noqa: E402
 from random_programs import random_program  # noqa: E402
 
@@ -146,7 +153,7 @@ def _relative_error(got: dict, want: dict) -> float:
 def measure(kind: str, program: cc.Program, shape: str, args) -> dict:
     """One row: build and check the contenders for `program` at `shape`, then time them."""
     m, n, k = map(int, shape.split("x"))
-    device = "cpu" if args.smoke else "cuda"
+    started, device = time.perf_counter(), "cpu" if args.smoke else "cuda"
     a, b, operands = random_call(program, m, n, k, torch.bfloat16, device=device)
     fused, tuned = cc.Kernel(program), cc.Kernel(program, autotune=not args.smoke)
     want = evaluate_accumulator(program, (a.float() @ b.float().t()), operands).outputs
@@ -164,20 +171,50 @@ def measure(kind: str, program: cc.Program, shape: str, args) -> dict:
         cc.Kernel(library.get("gemm"), tile=ran.tile, cluster=ran.cluster, schedule=ran.schedule)
     compiled = torch.compile(unfused(program), dynamic=False, **(dict(backend="aot_eager") if args.smoke else {}))
     compiled(a, b, operands)
+    built = time.perf_counter()
     contenders = {"fused": lambda: fused(a, b, **operands), "fused autotune": lambda: tuned(a, b, **operands),
                   "GEMM": lambda: plain(a, b), "torch.compile": lambda: compiled(a, b, operands)}
     row.update(time_interleaved(contenders, args.reps, args.smoke))
     row["fused_over_gemm"] = row["fused"]["ms"] / row["GEMM"]["ms"]
     row["autotune_over_gemm"] = row["fused autotune"]["ms"] / row["GEMM"]["ms"]
     row["compile_over_fused"] = row["torch.compile"]["ms"] / min(row["fused"]["ms"], row["fused autotune"]["ms"])
+    # where a row's time goes: loading and tuning kernels, torch.compile, checking; then timing
+    row["seconds"] = {"build": round(built - started, 1), "timed": round(time.perf_counter() - built, 1)}
     return row
+
+
+def precompile_rows(work: list[tuple[str, cc.Program, str]], jobs: int) -> dict:
+    """Build every kernel the rows of ``work`` (kind, program, shape) will load into the disk
+    cache, ``jobs`` processes at a time: each program's default as a call decides it, the
+    autotune candidates around it, and our plain GEMM at the rules' configuration.  What a row
+    still compiles itself (a default that spilled and fell back) is left to it."""
+    gemm, device = library.get("gemm"), "cuda" if torch.cuda.is_available() else "cpu"
+    defaults, others = [], []
+    for _, program, shape in work:
+        m, n, k = map(int, shape.split("x"))
+        a, b, operands = random_call(program, m, n, k, torch.bfloat16, device=device)
+        try:
+            config = cc.Kernel(program).config_for(bind(program, a, b, operands))
+        except CodaError:
+            continue  # its row says why
+        defaults.append((program, config))
+        others += [(program, c) for c in tune_candidates(config.resolved(program))[1:]]
+        plain = cc.Kernel(gemm, tile=config.tile, cluster=config.cluster, schedule=config.schedule)
+        others.append((gemm, plain.config_for(bind(gemm, a, b, {}))))
+    start = time.perf_counter()
+    results = precompile_pairs(defaults, jobs=jobs, decide=True) + precompile_pairs(others, jobs=jobs)
+    failed = [r.line() for r in results if r.status == "failed"]
+    print(f"precompiled {sum(r.ok for r in results)} kernels with {jobs} processes in "
+          f"{time.perf_counter() - start:.0f} s{'; failed: ' + '; '.join(failed) if failed else ''}", flush=True)
+    return {"kernels": sum(r.ok for r in results), "seconds": round(time.perf_counter() - start, 1),
+            "failed": failed}
 
 
 def print_row(row: dict):
     print(f"{row['kind']:14s} {row['program']:28s} {row['shape']:15s} "
           f"fused/GEMM {row['fused_over_gemm']:.3f}  autotune/GEMM {row['autotune_over_gemm']:.3f}  "
-          f"torch.compile/fused {row['compile_over_fused']:.2f}  ({row['config']}; tuned: {row['autotune_config']})",
-          flush=True)
+          f"torch.compile/fused {row['compile_over_fused']:.2f}  ({row['config']}; tuned: {row['autotune_config']}; "
+          f"{row['seconds']['build']:.0f} + {row['seconds']['timed']:.0f} s)", flush=True)
 
 
 def summary(rows: list[dict]) -> list[str]:
@@ -205,6 +242,8 @@ def parse_args(argv=None):
     parser.add_argument("--programs", nargs="+", metavar="NAME",
                         help="only the programs of these names (e.g. swiglu_bwd swiglu_backward: a hand-written "
                              "backward beside its derived one)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count(),
+                        help="processes that build the kernels before the timed rows (default: one per CPU)")
     parser.add_argument("--out", default="programs.json")
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny shape, no autotune: the plumbing only")
     args = parser.parse_args(argv)
@@ -220,18 +259,19 @@ def main(argv=None):
     args = parse_args(argv)
     torch.manual_seed(0)
     rows, skipped = [], []
-    for shape in args.shapes:
-        for kind, program in programs(args.kinds):
-            if args.programs and program.name not in args.programs:
-                continue
-            try:
-                rows.append(measure(kind, program, shape, args))
-            except CodaError as exc:  # a program this shape or these inputs cannot run: said, not hidden
-                skipped.append(f"{program.name} at {shape}: {type(exc).__name__}: {exc}")
-                print(f"skipped {skipped[-1]}", flush=True)
-                continue
-            print_row(rows[-1])
-            write(args.out, rows, args.smoke)  # after every program: a run cut short keeps what it measured
+    work = [(kind, program, shape) for shape in args.shapes for kind, program in programs(args.kinds)
+            if not args.programs or program.name in args.programs]
+    built = None if args.smoke else precompile_rows(work, args.jobs)
+    for kind, program, shape in work:
+        try:
+            rows.append(measure(kind, program, shape, args))
+        except CodaError as exc:  # a program this shape or these inputs cannot run: said, not hidden
+            skipped.append(f"{program.name} at {shape}: {type(exc).__name__}: {exc}")
+            print(f"skipped {skipped[-1]}", flush=True)
+            continue
+        print_row(rows[-1])
+        # after every program: a run cut short keeps what it measured
+        write(args.out, rows, args.smoke, {"precompile": built} if built else None)
     print("\n".join(["", "== summary", *summary(rows), *(f"skipped: {s}" for s in skipped)]))
 
 

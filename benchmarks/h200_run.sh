@@ -17,7 +17,8 @@
 #   bash benchmarks/h200_run.sh programs [MxNxK ...]  # untuned programs: fused / our GEMM, default and
 #                                                    # autotune, vs torch.compile (KINDS="library derived": only
 #                                                    # those kinds; PROGRAMS="swiglu_bwd swiglu_backward": only
-#                                                    # those programs; one kind at one shape per call)
+#                                                    # those programs; the kernels are built first by one
+#                                                    # process per CPU)
 #   bash benchmarks/h200_run.sh clocks [D]  # SM clock and board power per fused op vs its GEMM
 #                                           # (OPS as for ops)
 #   bash benchmarks/h200_run.sh sanitize  # compute-sanitizer memcheck + racecheck over the library

@@ -269,22 +269,23 @@ def check_kernel_arguments(problem: Problem, given: dict | None = None) -> None:
 def random_call(program: Program, m: int, n: int, k: int, dtype: torch.dtype, device="cuda") -> tuple:
     """(A, B, operands): random arguments of ``program`` for an M x N x K problem (A (M, K), B (N,
     K) in ``dtype``; class indices in range where an operand is compared with ``.row`` / ``.col``;
-    rows positive), on ``device``: what ``coda-cute tune`` and the benchmarks time."""
+    rows positive), drawn on ``device``: what ``coda-cute tune`` and the benchmarks time."""
     indices, operands = index_operands(program), {}
     for op in program.operands:
         cols = int(n * op.width) if op.width is not None else None
         if op.kind == "scalar":
             operands[op.name] = 1.0
         elif op.name in indices:
-            operands[op.name] = torch.randint(0, cols or n, (m if op.kind == "row" else cols,), dtype=torch.int32)
+            operands[op.name] = torch.randint(0, cols or n, (m if op.kind == "row" else cols,), dtype=torch.int32,
+                                              device=device)
         elif op.kind == "row":
-            operands[op.name] = torch.rand(m) + 0.5
+            operands[op.name] = torch.rand(m, device=device) + 0.5
         elif op.kind == "col":
-            operands[op.name] = (torch.rand(cols) + 0.5).to(dtype)
+            operands[op.name] = (torch.rand(cols, device=device) + 0.5).to(dtype)
         elif op.kind == "tile":
-            operands[op.name] = torch.randn(m, cols).to(dtype)
+            operands[op.name] = torch.randn(m, cols, device=device).to(dtype)
         else:
-            operands[op.name] = torch.randn(128, 128)
-    a, b = torch.randn(m, k).to(dtype) / k ** 0.25, torch.randn(n, k).to(dtype) / k ** 0.25
-    return a.to(device), b.to(device), {name: t.to(device) if isinstance(t, torch.Tensor) else t
-                                         for name, t in operands.items()}
+            operands[op.name] = torch.randn(128, 128, device=device)
+    a = (torch.randn(m, k, device=device) / k ** 0.25).to(dtype)
+    b = (torch.randn(n, k, device=device) / k ** 0.25).to(dtype)
+    return a, b, operands
