@@ -22,11 +22,12 @@ backward (dh_out)
      saved), and rowdot = sum(dz * z) per row, which equals the norm's row statistic
      sum(dy * y) (y the normalized input, dy = dz @ W_gate_up its gradient);
   6. dW_down = dh_out.T @ a (a plain GEMM); a is released before the next GEMM allocates;
-  7. `rmsnorm_bwd_rowdot`: in the dgrad dz @ W_gate_up, the whole
-     dh = (dy * gamma - h * rstd * rowdot / d) * rstd + dh_out, the normalized input
-     x = h * rstd * gamma (stored for the weight gradient, not saved from the forward) and
-     dgamma partials;
-  8. dW_gate_up = dz.T @ x (a plain GEMM).
+  7. x = h * rstd * gamma, the normalized input (one compiled pass, `normalized_input`; not
+     saved from the forward), then dW_gate_up = dz.T @ x (a plain GEMM), and x is released;
+  8. `rmsnorm_bwd_rowdot`: in the dgrad dz @ W_gate_up, the whole
+     dh = (dy * gamma - h * rstd * rowdot / d) * rstd + dh_out and dgamma partials.  After
+     the weight gradient, so x and dh are never live together: the backward's peak holds dz,
+     dW_gate_up and one tokens x d buffer, as torch.compile's does.
 
 GEMMs with nothing to fuse (weight gradients, the O projection's dgrad) call cuBLAS
 through ``torch.matmul``: coda-cute's own plain GEMM runs at 0.97-1.01x cuBLAS on the H200
@@ -133,11 +134,20 @@ def _rmsnorm_backward(ops, d_pre, w, h, rstd, gamma, dh_residual, rowdot):
     """Gradients through `h + g(rstd * (h @ (w * gamma).T))` given d_pre, the gradient of the
     GEMM's output pre, dh_residual, the gradient reaching h through the residual stream, and
     rowdot = sum(d_pre * pre) per row (the norm's row statistic, taken where d_pre was made):
-    (dh, dgamma, dw).  The dgrad's epilogue (`rmsnorm_bwd_rowdot`) makes the whole dh, the
-    residual gradient included, and stores the normalized input for the weight gradient."""
-    dh, x, dgamma = ops["rmsnorm_bwd_rowdot"](d_pre, w.t(), h, rstd, gamma, dh_residual, rowdot, 1.0 / h.shape[-1])
+    (dh, dgamma, dw).  The weight gradient comes first, from the normalized input made in one
+    pass and released after it; then the dgrad, whose epilogue (`rmsnorm_bwd_rowdot`) makes the
+    whole dh, the residual gradient included."""
+    x = one_pass(normalized_input, h)(h, rstd, gamma)
     dw = d_pre.t() @ x
+    del x  # before the dgrad allocates dh: the two are never live together
+    dh, dgamma = ops["rmsnorm_bwd_rowdot"](d_pre, w.t(), h, rstd, gamma, dh_residual, rowdot, 1.0 / h.shape[-1])
     return dh, dgamma.to(gamma.dtype), dw
+
+
+def normalized_input(h: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """x = h * rstd * gamma in h's dtype (fp32 products, rounded once): RMSNorm's output, the
+    input of the next GEMM's weight gradient (`ops.one_pass` makes it one kernel)."""
+    return (h.float() * rstd[:, None] * gamma.float()).to(h.dtype)
 
 
 def _norm_operands(h: torch.Tensor, sumsq, gamma: torch.Tensor, w: torch.Tensor, eps: float,

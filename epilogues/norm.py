@@ -81,13 +81,14 @@ def rmsnorm_bwd_rowdot(acc, x: cc.Tile, rstd: cc.RowVec, gamma: cc.ColVec, dresi
 
     rowdot = sum(dx_hat * x_hat) per row, taken before this GEMM (e.g. by swiglu_bwd_recompute,
     as sum(dz * z) over the next GEMM's output); inv_n = 1 / N.
-    D = (dx_hat - x_hat * rowdot * inv_n) * rstd + dresidual; x_norm and dgamma as in
-    rmsnorm_bwd_residual.  No pass after the GEMM.
+    D = (dx_hat - x_hat * rowdot * inv_n) * rstd + dresidual; dgamma as in rmsnorm_bwd.  No pass
+    after the GEMM.  The weight gradient's input x_hat * gamma is not stored here: made before
+    this GEMM and released after the weight gradient, it is never live beside D (the backward's
+    peak memory; nn.LlamaMLP).
     """
     x_hat = x * rstd
     return {
         "D": (acc * gamma - x_hat * (rowdot * inv_n)) * rstd + dresidual,
-        "x_norm": x_hat * gamma,
         "dgamma": cc.col_sum(acc * x_hat),
     }
 

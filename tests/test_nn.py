@@ -514,6 +514,24 @@ def test_mlp_backward_peak_holds_no_recomputed_activation(module):
     assert (tokens, ffn) not in big and (tokens, 2 * ffn) in big and len(big) == 2, big
 
 
+def test_mlp_backward_never_holds_the_normalized_input_beside_its_gradient():
+    """The gate/up weight gradient's input x = rmsnorm(h) * gamma is made, used and released
+    before the dgrad allocates dh, so the peak holds one tokens x d buffer of the two besides the
+    step's output and its incoming gradient (as torch.compile's step does), not both."""
+    torch.manual_seed(0)
+    tokens, d, ffn = 128, 64, 224
+    mlp = LlamaMLP(d, ffn, dtype=torch.float32)
+    h = torch.randn(2, tokens // 2, d, requires_grad=True)
+
+    def step():
+        out = mlp(h)[0]
+        out.backward(torch.ones_like(out))
+
+    at_peak = _live_at_peak(step, [h, *mlp.parameters()])
+    assert (tokens * 2 * ffn, (tokens, 2 * ffn)) in at_peak  # the weight gradient's peak
+    assert sum(numel == tokens * d for numel, _ in at_peak) == 3, at_peak  # h_out, dh_out, then x or dh
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_lean_head_never_holds_more_than_a_chunk_of_logits(reduction, gen):
     """save_logits=False: no tensor of the step is larger than one chunk of logits (16 tokens x
