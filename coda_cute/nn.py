@@ -305,7 +305,11 @@ def qkv_gradient(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q: torch.
 def _pair_words(t: torch.Tensor) -> torch.Tensor:
     """A 16-bit tensor (..., 2n) as int32 words (..., n): word i holds elements 2i (its low half,
     little-endian) and 2i + 1 (its high half)."""
-    if t.stride(-1) != 1 or t.storage_offset() % 2 or any(stride % 2 for stride in t.stride()[:-1]):
+    # an odd start is seen in eager mode only: torch.compile cannot trace storage_offset() (it
+    # breaks the graph there); compiled, the callers pass fresh gradients, and a view that
+    # cannot be reread fails while tracing
+    odd_start = not torch.compiler.is_compiling() and t.storage_offset() % 2
+    if t.stride(-1) != 1 or odd_start or any(stride % 2 for stride in t.stride()[:-1]):
         t = t.clone(memory_format=torch.contiguous_format)  # a copy from offset 0 (contiguous() may keep t)
     return t.view(torch.int32)
 

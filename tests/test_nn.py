@@ -366,6 +366,11 @@ def test_qkv_gradient_of_16_bit_pairs_as_words_is_the_fp32_result_rounded_once(d
     assert d_pre.dtype == dtype
     assert torch.equal(d_pre, want.to(dtype))
     torch.testing.assert_close(rowdot, want_rowdot, rtol=1e-6, atol=1e-4)
+    # as the GPU runs it (ops.one_pass): traced whole, one graph, the same bits
+    torch._dynamo.reset()
+    traced = torch.compile(qkv_gradient, fullgraph=True, backend="aot_eager")
+    d_pre_traced, _ = traced(*heads(grads), *heads(ins), angles.cos(), angles.sin())
+    assert torch.equal(d_pre_traced, d_pre)
 
 
 def test_pair_words_of_views_that_cannot_be_reread_as_words():
