@@ -130,7 +130,7 @@ class Kernel:
         arch = self.arch or (device_arch(a.device) if a.is_cuda else KernelConfig.arch)
         gpu = self.gpu or (gpu_model(a.device, arch) if a.is_cuda else DEFAULT_GPUS[arch])
         tile, cluster, schedule = fill_config(self.program, problem.m, problem.n, self.tile, self.cluster,
-                                              self.schedule, arch, GPUS[gpu])
+                                              self.schedule, arch, GPUS[gpu], problem.k)
         staged = self.stage_tables is not False and any(op.kind == "table" for op in self.program.operands)
         if staged:
             reason = stageable_tables(self.program, problem, backend(arch).cta_tile(tile)[0])
@@ -386,9 +386,9 @@ def gpu_model(device: torch.device, arch: str = KernelConfig.arch) -> str:
 
 
 def fill_config(program: Program, m: int, n: int, tile=None, cluster=None, schedule=None,
-                arch: str = KernelConfig.arch, sms: int = GPUS[KernelConfig.gpu]) -> tuple:
+                arch: str = KernelConfig.arch, sms: int = GPUS[KernelConfig.gpu], k: int | None = None) -> tuple:
     """(tile, cluster, schedule) with what the caller left out (None) filled by the defaults for
-    an M x N output: a tile alone runs cooperative, a schedule alone gets that schedule's default
+    an M x N output of a K-deep product (None: a large problem's): a tile alone runs cooperative, a schedule alone gets that schedule's default
     tile, a missing cluster follows the default cluster rule.  An arch whose backend has defaults
     of its own (``Backend.defaults``) fills from those (a cluster: ``Backend.default_cluster``).
     `Kernel` fills its configs here, the CLI through ``runtime_defaults``."""
@@ -398,43 +398,53 @@ def fill_config(program: Program, m: int, n: int, tile=None, cluster=None, sched
         return tile, tuple(cluster or backend(arch).default_cluster(tile)), schedule or fixed[2]
     if tile is not None and schedule is None:
         schedule = "cooperative"
-    default = default_tile(program, m, n, schedule, sms)
+    default = default_tile(program, m, n, schedule, sms, k)
     return tile or default[0], cluster or default[1], schedule or default[2]
 
 
 def runtime_defaults(program: Program, tile=None, cluster=None, schedule=None,
                      arch: str = KernelConfig.arch) -> tuple[tuple[int, int], tuple[int, int], str]:
-    """Tile, cluster and schedule ``Kernel`` runs for a large problem (M, N in the thousands),
+    """Tile, cluster and schedule ``Kernel`` runs for a large problem (M, N in the thousands, K =
+    4096),
     with the ones given kept and the rest filled as ``Kernel`` fills them: what ``coda-cute emit``,
     ``inspect`` and ``precompile`` build when their flags leave them out.  An arch whose backend
     has defaults of its own (``Backend.defaults``) fills from those."""
-    tile, cluster, schedule = fill_config(program, 8192, 8192, tile, cluster, schedule, arch)
+    tile, cluster, schedule = fill_config(program, 8192, 8192, tile, cluster, schedule, arch, k=4096)
     return tuple(tile), tuple(cluster), schedule
 
 
 def default_tile(program: Program, m: int, n: int, schedule: str | None = None,
-                 sms: int = GPUS[KernelConfig.gpu]) -> tuple[tuple[int, int], tuple[int, int], str]:
-    """Tile, cluster and schedule for an M x N output on a GPU of ``sms`` SMs: 128x256 with a
-    2-CTA cluster for big outputs; ping-pong 128x192 for programs with a heavy epilogue (see
-    _heavy_epilogue), or 128x128 where 192-column tiles fill the last wave of tiles so poorly
-    that the smaller tile finishes first (_pingpong_tile).  With a ``schedule`` asked for, the
-    tile for that schedule: as above where the epilogue is heavy, else 128x128 (every library
-    program compiles there without spills)."""
+                 sms: int = GPUS[KernelConfig.gpu], k: int | None = None) -> tuple[tuple[int, int], tuple[int, int], str]:
+    """Tile, cluster and schedule for an M x N output of a K-deep product on a GPU of ``sms``
+    SMs: 128x256 with a 2-CTA cluster for big outputs; ping-pong 128x192 for programs with a
+    heavy epilogue (see _heavy_epilogue) up to K = PINGPONG_MAX_K (None: taken as within it),
+    or 128x128 where 192-column tiles fill the last wave of tiles so poorly that the smaller
+    tile finishes first (_pingpong_tile).  With a ``schedule`` asked for, the tile for that
+    schedule: as above where the epilogue is heavy, else 128x128 (every library program
+    compiles there without spills)."""
     # measured on H200 (benchmarks/results, d = 4096): 128x256 with a 1x2 cluster leads for the
     # GEMM and light epilogues; ping-pong 128x192, where one warpgroup's epilogue runs while the
     # other's WGMMAs keep the tensor cores busy, leads where the epilogue is heavy (SwiGLU bwd
     # 1.53 vs 1.72 ms, RoPE 0.67 vs 0.70; RMS + SwiGLU + save 0.863 vs 0.931 at d = 2048, 2.903
-    # vs 3.128 at d = 4096, even at d = 8192) and loses a few % elsewhere (smaller tile; for
-    # residual + sumsq and RMSNorm backward, whose epilogues wait on tile inputs)
+    # vs 3.128 at d = 4096) and loses a few % elsewhere (smaller tile; for residual + sumsq and
+    # RMSNorm backward, whose epilogues wait on tile inputs).  A deeper K gives each tile's
+    # epilogue more mainloop to hide behind, and the wider cooperative tile wins (PINGPONG_MAX_K)
     cluster = (1, 2) if n > 256 else (2, 1) if m > 128 else (1, 1)
     heavy = _heavy_epilogue(program)
     if schedule == "pingpong":
         return (_pingpong_tile(m, n, sms) if heavy else (128, 128)), cluster, "pingpong"
     if n <= 128:
         return (128, 128), cluster, "cooperative"
-    if n >= 1024 and heavy and schedule is None:
+    if n >= 1024 and heavy and schedule is None and (k is None or k <= PINGPONG_MAX_K):
         return _pingpong_tile(m, n, sms), cluster, "pingpong"
     return (128, 256), cluster, "cooperative"
+
+
+#: the deepest K at which heavy epilogues default to ping-pong.  Llama MLP and block training
+#: steps on an H100 (2026-12-06, benchmarks/results "Llama block"), sustained, with every
+#: heavy kernel ping-pong 128x192 against cooperative 128x256: d = K = 2048 3.952 vs 4.004 ms,
+#: 4096 13.183 vs 13.212, 8192 52.98 / 53.04 vs 50.79 / 50.85 (block 67.06 vs 64.98)
+PINGPONG_MAX_K = 4096
 
 
 def _pingpong_tile(m: int, n: int, sms: int) -> tuple[int, int]:

@@ -152,6 +152,16 @@ def test_default_schedule_per_program(name, schedule):
                                                    schedule)
 
 
+@pytest.mark.parametrize("k,schedule", [(2048, "pingpong"), (4096, "pingpong"), (8192, "cooperative")])
+def test_heavy_epilogues_run_cooperative_at_a_deep_k(k, schedule):
+    """A heavy epilogue runs ping-pong up to K = 4096 and cooperative 128x256 beyond, where the
+    mainloop is long enough to hide it (d = 8192 Llama steps, measured)."""
+    program = library.get("rms_swiglu_save")
+    a, b = torch.empty(8192, k, dtype=torch.bfloat16), torch.empty(16384, k, dtype=torch.bfloat16)
+    config = Kernel(program, gpu="H100").config_for(bind(program, a, b, {"rstd": torch.empty(8192)}))
+    assert (config.tile, config.schedule) == (((128, 192) if schedule == "pingpong" else (128, 256)), schedule)
+
+
 def test_kernel_passes_the_tile_order_and_checks_it():
     program = library.get("gemm")
     a, b = torch.randn(256, 64, dtype=torch.bfloat16), torch.randn(512, 64, dtype=torch.bfloat16)
