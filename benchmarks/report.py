@@ -34,6 +34,11 @@ HERE = Path(__file__).resolve().parent
 #: the newest archived run of each kind for each d, newest first (paths relative to benchmarks/);
 #: an entry may be (path, note), the note printed under that file's tables' heading
 INPUTS = [
+    ("results/archive/2026-12-06g-h100-d8192-mlp-7527889.json",
+     "On an H100 80GB HBM3: after 541d5e8 (heavy epilogues cooperative beyond K = 4096) and 809a1cb (the "
+     "normalized input made before the weight gradient). 3 rounds."),
+    ("results/archive/2026-12-06g-h100-d2048-mlp-7527889.json",
+     "On an H100 80GB HBM3: after 809a1cb (the normalized input made before the weight gradient). 3 rounds."),
     ("results/archive/2026-12-06f-h100-d8192-mlp-block-13ee467.json",
      "On an H100 80GB HBM3 (no H200 was lent that day): compare within this table only. 5 rounds; the block's "
      "coda-cute wall times spread 14.6 %."),
