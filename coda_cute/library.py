@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import re
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -36,9 +37,7 @@ def resource_dir(name: str) -> Path:
 def programs() -> dict[str, Program]:
     """Every Program defined at the top level of a module in ``epilogues/``, by name."""
     found: dict[str, Program] = {}
-    for path in sorted(resource_dir("epilogues").glob("*.py")):
-        if path.name.startswith("_"):
-            continue
+    for path in _modules():
         module = _load(path)
         for value in vars(module).values():
             if isinstance(value, Program):
@@ -49,11 +48,26 @@ def programs() -> dict[str, Program]:
 
 
 def get(name: str) -> Program:
-    """The library program called ``name``, or an error listing the available ones."""
+    """The library program called ``name``, or an error listing the available ones.  Until the
+    whole library is loaded, the module whose source defines ``name`` is loaded first, alone:
+    tracing every program costs a process that needs one kernel more than finding it."""
+    if programs.cache_info().currsize == 0:
+        defines = re.compile(rf"^(def {re.escape(name)}\(|{re.escape(name)} *=)", re.MULTILINE)
+        for path in _modules():
+            if defines.search(path.read_text()):
+                program = vars(_load(path)).get(name)
+                if isinstance(program, Program) and program.name == name:
+                    return program
+                break
     table = programs()
     if name not in table:
         raise ProgramError(f"no library program named {name!r}; available: {', '.join(table)}")
     return table[name]
+
+
+def _modules() -> list[Path]:
+    """The library's modules in ``epilogues/``, in order (files starting with _ are not)."""
+    return [p for p in sorted(resource_dir("epilogues").glob("*.py")) if not p.name.startswith("_")]
 
 
 def _load(path: Path):

@@ -71,12 +71,35 @@ def test_template_change_changes_the_generator_hash(tmp_path, monkeypatch):
     copy.mkdir()
     for template in lib.resource_dir("templates").glob("*.j2"):
         (copy / template.name).write_text(template.read_text() + "\n# changed\n")
-    monkeypatch.setattr(lib, "resource_dir", lambda name: copy if name == "templates" else lib.resource_dir(name))
+    shipped = lib.resource_dir
+    monkeypatch.setattr(lib, "resource_dir", lambda name: copy if name == "templates" else shipped(name))
     cache.environment_fields.cache_clear()
     try:
         assert cache.environment_fields()["generator"] != before
     finally:
         cache.environment_fields.cache_clear()
+
+
+def test_warm_process_traces_one_library_module_and_keys_without_importing_tvm_ffi():
+    """Before a warm process loads its kernel: library.get traces only the module that defines
+    the program, and the cache key reads tvm_ffi's version from its installed metadata (the
+    module's own import, 20-40 ms, is the load's, not the key's)."""
+    code = ("import sys; from coda_cute import library; from coda_cute.cache import cache_key; "
+            "from coda_cute.config import KernelConfig; cache_key(library.get('swiglu_bwd'), KernelConfig()); "
+            "print(sorted(m for m in sys.modules if m.startswith('coda_cute.epilogues.')), 'tvm_ffi' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "['coda_cute.epilogues.mlp'] False", done.stdout
+
+
+def test_library_lookup_of_one_module_finds_what_the_whole_library_holds():
+    """library.get before the whole library is loaded (one module at a time) gives each
+    program, the very object programs() then lists under its name."""
+    names = list(library.programs())
+    code = ("import sys; from coda_cute import library; names = sys.argv[1:]; got = [library.get(n) for n in names]; "
+            "print(all(g is library.programs()[n] for g, n in zip(got, names)))")
+    done = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split("\n")[-2] == "True", done.stdout + done.stderr[-2000:]
 
 
 def test_entry_is_private_whole_and_reloaded(cache_dir):
