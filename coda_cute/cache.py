@@ -371,21 +371,25 @@ def _sha256(path: Path) -> str:
 #: Where the kernel of the runtime's choice spills registers, a call that fixed none of tile,
 #: cluster and schedule runs the first of these (tile, schedule) that does not (get_default_kernel):
 #: cooperative 128x256 leads for large outputs (and a GLU with its saved pre-activation ran 5 %
-#: faster there, spill-free, than spilling at ping-pong 128x192); cooperative 128x128 leaves the
-#: epilogue the most registers of the tiles the runtime picks itself (64 accumulators per thread)
-SPILL_FALLBACKS = (((128, 256), "cooperative"), ((128, 128), "cooperative"))
+#: faster there, spill-free, than spilling at ping-pong 128x192); ping-pong 128x192 leads for heavy
+#: epilogues up to K = 4096 and gives its consumers 240 registers (the SwiGLU backward spills at
+#: both cooperative tiles, not there); cooperative 128x128 holds the fewest accumulators per
+#: thread (64) of the tiles the runtime picks itself
+SPILL_FALLBACKS = (((128, 256), "cooperative"), ((128, 192), "pingpong"), ((128, 128), "cooperative"))
 
 
 def default_candidates(config: KernelConfig) -> list[KernelConfig]:
     """``config`` (the runtime's choice for a call that fixed none of tile, cluster and schedule),
-    then the SPILL_FALLBACKS that hold fewer fp32 accumulators per thread (a kernel with as many
-    has no more room for the epilogue), with its cluster and every other field."""
+    then the SPILL_FALLBACKS of another schedule, or of its own holding fewer fp32 accumulators
+    per thread (with as many and the same register budget, the epilogue has no more room), with
+    its cluster and every other field."""
     def accumulators(c: KernelConfig) -> int:
         rows, cols = backend(c.arch).cta_tile(c.tile)
         return rows * cols // backend(c.arch).tile_threads(c)
 
     fallbacks = (config.with_(tile=tile, schedule=schedule) for tile, schedule in SPILL_FALLBACKS)
-    return [config] + [c for c in fallbacks if accumulators(c) < accumulators(config)]
+    return [config] + [c for c in fallbacks
+                       if c.schedule != config.schedule or accumulators(c) < accumulators(config)]
 
 
 _DEFAULTS: dict[str, KernelConfig] = {}  # cache key of the rules' choice -> the configuration calls run

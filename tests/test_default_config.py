@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import coda_cute as cc
-from coda_cute import cache
+from coda_cute import cache, library
+from coda_cute.arguments import bind
 from coda_cute.cache import default_candidates
 from coda_cute.cli import main
 from coda_cute.compile import stack_frame_bytes
@@ -49,13 +51,15 @@ def cache_dir(tmp_path, monkeypatch):
     cache._DEFAULTS.clear()
 
 
-def test_candidates_leave_the_epilogue_more_registers_in_turn():
+def test_candidates_are_the_other_schedule_or_fewer_accumulators_in_turn():
     pingpong = KernelConfig(tile=(128, 192), cluster=(1, 2), schedule="pingpong", ab_stages=3)
     assert [(c.tile, c.schedule) for c in default_candidates(pingpong)] == [
         ((128, 192), "pingpong"), ((128, 256), "cooperative"), ((128, 128), "cooperative")]
     assert {(c.cluster, c.ab_stages) for c in default_candidates(pingpong)} == {((1, 2), 3)}  # the rest kept
-    assert [c.tile for c in default_candidates(KernelConfig())] == [(128, 256), (128, 128)]
-    assert default_candidates(KernelConfig(tile=(128, 128))) == [KernelConfig(tile=(128, 128))]
+    assert [(c.tile, c.schedule) for c in default_candidates(KernelConfig())] == [
+        ((128, 256), "cooperative"), ((128, 192), "pingpong"), ((128, 128), "cooperative")]
+    assert [(c.tile, c.schedule) for c in default_candidates(KernelConfig(tile=(128, 128)))] == [
+        ((128, 128), "cooperative"), ((128, 192), "pingpong")]
 
 
 def test_stack_frame_bytes_needs_a_cubin():
@@ -92,6 +96,20 @@ def test_a_spilling_default_runs_a_candidate_that_does_not_and_the_decision_is_k
     fixed = Kernel(geglu_save, tile=(128, 192), schedule="pingpong")
     with pytest.warns(SpillWarning, match="spills registers"):
         assert fixed.kernel_for(rules)[0] == rules
+
+
+def test_the_swiglu_backward_at_a_deep_k_runs_ping_pong_where_cooperative_tiles_spill(cache_dir):
+    """Beyond K = 4096 the rules choose cooperative 128x256 for heavy epilogues; the SwiGLU
+    backward with h spills there (SPILLS_AT in test_compile), so its default is the next
+    fallback, ping-pong 128x192, which holds it: the Llama MLP's d = 8192 kernel never spills."""
+    program = library.get("swiglu_bwd_recompute")
+    a, b = torch.empty(256, 8192, dtype=torch.bfloat16), torch.empty(1024, 8192, dtype=torch.bfloat16)
+    problem = bind(program, a, b, {"preact": torch.empty(256, 2048, dtype=torch.bfloat16)})
+    rules = Kernel(program, gpu="H100").config_for(problem)
+    assert (rules.tile, rules.schedule) == ((128, 256), "cooperative")
+    default = cache.get_default_kernel(program, rules)
+    assert [e.stack_frame_bytes > 0 for _, e in default.tried] == [True, False]
+    assert (default.config.tile, default.config.schedule) == ((128, 192), "pingpong")
 
 
 def test_a_record_is_only_trusted_for_its_key_and_its_candidates(cache_dir):

@@ -126,6 +126,7 @@ def run_and_compare(program: Program, m: int, n: int, k: int, dtype=torch.bfloat
         atol, rtol = REDUCTION_TOLERANCE
         assert_close(f"{out.name} (partials)", partials[out.name], ref.partials[out.name], atol, rtol)
         assert_close(out.name, outputs[out.name], ref.outputs[out.name], atol, rtol)
+    return config  # the configuration that ran
 
 
 def _gpu_programs():
@@ -379,11 +380,22 @@ def test_cuda_graph_capture_of_a_warm_kernel_and_refusal_when_cold():
                 cold(a, b, **ops)
 
 
+@pytest.mark.parametrize("name,runs", [("rms_swiglu_save", ((128, 256), "cooperative")),
+                                       ("swiglu_bwd_recompute", ((128, 192), "pingpong"))])
+def test_heavy_epilogue_default_at_a_deep_k(name, runs):
+    """Beyond K = 4096 the rules give heavy epilogues cooperative 128x256 (runtime.PINGPONG_MAX_K),
+    which the SwiGLU backward trades for ping-pong 128x192, where it does not spill: the kernels
+    the Llama MLP runs at d = 8192, at a shape that is no multiple of the tile."""
+    config = run_and_compare(library.get(name), 300, 1040, 4104)
+    assert (config.tile, config.schedule) == runs
+
+
 @pytest.mark.parametrize("name,table_dtype,tile,cluster,schedule,stage", [
     ("rope_qkv", torch.float32, (128, 192), (1, 2), "pingpong", None),
     ("rope_qkv", torch.bfloat16, (128, 128), (1, 2), "pingpong", True),
     ("rope_qkv", torch.float32, (128, 256), (2, 1), "cooperative", None),
     ("rms_rope_qkv", torch.float32, (128, 192), (1, 2), "pingpong", True),
+    ("rms_rope_qkv", torch.float32, (128, 256), (1, 2), "cooperative", True),  # the Llama block's at K > 4096
 ])
 def test_tables_staged_in_smem(name, table_dtype, tile, cluster, schedule, stage):
     """Tables of 256 rows (two 128-row blocks) reach smem by TMA, by default or asked for, one
