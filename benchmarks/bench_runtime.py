@@ -15,10 +15,14 @@
 - host overhead: CPU time per call of `Kernel(program)(a, b, ...)` on a tiny problem
   (argument checks, output allocation, launch), next to `a @ b.t()` (cuBLAS): goal within
   5 us of cuBLAS, reductions included; also the time per call up to the last kernel's end
-  (GPU-bound for tiny launches).
+  (GPU-bound for tiny launches).  Medians of ROUNDS rounds, the two contenders taking turns
+  to go first, with Python's garbage collector off (one collection inside a loop of calls
+  would land on one contender only; cuBLAS's own time once moved from 24 to 16 us between
+  programs of one run).
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -53,6 +57,7 @@ entry = get_kernel(program, config)
 t5 = time.perf_counter()
 print(entry.origin, t5 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, gc_s)
 """
+ROUNDS = 11  # interleaved rounds of the per-call timings; their medians count
 PHASES = ("import_ms", "library_ms", "key_ms", "tvm_ffi_ms", "load_ms", "gc_before_ms")
 
 
@@ -117,8 +122,11 @@ def main():
         kernel = Kernel(program)
         kernel(a, b, **ops)
         samples = {f"{who} {how}": [] for who in ("coda-cute", "cuBLAS") for how in ("host", "throughput")}
-        for _ in range(5):
-            for who, fn in (("coda-cute", lambda: kernel(a, b, **ops)), ("cuBLAS", lambda: a @ b.t())):
+        gc.collect()
+        gc.disable()  # as timeit does: a collection inside one loop would land on one contender only
+        for round_ in range(ROUNDS):
+            contenders = [("coda-cute", lambda: kernel(a, b, **ops)), ("cuBLAS", lambda: a @ b.t())]
+            for who, fn in contenders[round_ % 2:] + contenders[:round_ % 2]:  # each goes first in turn
                 for how, calls in (("host", 200), ("throughput", 2000)):
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
@@ -127,6 +135,7 @@ def main():
                     if how == "throughput":
                         torch.cuda.synchronize()
                     samples[f"{who} {how}"].append((time.perf_counter() - t0) / calls * 1e6)
+        gc.enable()
         overhead[label] = {k: round(statistics.median(v), 2) for k, v in samples.items()}
         print(label, overhead[label], flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
