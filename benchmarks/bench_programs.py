@@ -32,9 +32,9 @@ GEMM beside it) is first built into the disk cache by `--jobs` worker processes
 
 The JSON: {"meta": {date, gpu, torch, commit, command}, "rows": [{"program", "kind", "shape",
 "config" (the default's), "autotune_config", <contender>: {"ms", "spread"}, "fused_over_gemm",
-"autotune_over_gemm", "compile_over_fused", "rel_err", "seconds" {"build", "timed"}}], "precompile": {"kernels", "seconds",
-"failed"}}; the summary prints per kind the median and worst fused / GEMM and every program
-torch.compile beats.
+"autotune_over_gemm", "compile_over_fused", "rel_err", "seconds": {"build", "timed"}}],
+"precompile": {"kernels", "seconds", "failed"}}; the summary prints per kind the median and worst
+fused / GEMM and every program torch.compile beats.
 """
 
 from __future__ import annotations
@@ -165,10 +165,7 @@ def measure(kind: str, program: cc.Program, shape: str, args) -> dict:
     tuned(a, b, **operands)
     row["config"] = short_config(fused.last.config) if fused.last.config else None
     row["autotune_config"] = short_config(tuned.last.config) if tuned.last.config else None
-    # our plain GEMM at the configuration the fused kernel runs: what its epilogue costs on top
-    ran = fused.last.config
-    plain = cc.Kernel(library.get("gemm")) if args.smoke else \
-        cc.Kernel(library.get("gemm"), tile=ran.tile, cluster=ran.cluster, schedule=ran.schedule)
+    plain = cc.Kernel(library.get("gemm")) if args.smoke else plain_gemm(fused.last.config)
     compiled = torch.compile(unfused(program), dynamic=False, **(dict(backend="aot_eager") if args.smoke else {}))
     compiled(a, b, operands)
     built = time.perf_counter()
@@ -181,6 +178,11 @@ def measure(kind: str, program: cc.Program, shape: str, args) -> dict:
     # where a row's time goes: loading and tuning kernels, torch.compile, checking; then timing
     row["seconds"] = {"build": round(built - started, 1), "timed": round(time.perf_counter() - built, 1)}
     return row
+
+
+def plain_gemm(config) -> cc.Kernel:
+    """Our plain GEMM at a fused kernel's tile, cluster and schedule: what its epilogue costs on top."""
+    return cc.Kernel(library.get("gemm"), tile=config.tile, cluster=config.cluster, schedule=config.schedule)
 
 
 def precompile_rows(work: list[tuple[str, cc.Program, str]], jobs: int) -> dict:
@@ -199,15 +201,14 @@ def precompile_rows(work: list[tuple[str, cc.Program, str]], jobs: int) -> dict:
             continue  # its row says why
         defaults.append((program, config))
         others += [(program, c) for c in tune_candidates(config.resolved(program))[1:]]
-        plain = cc.Kernel(gemm, tile=config.tile, cluster=config.cluster, schedule=config.schedule)
-        others.append((gemm, plain.config_for(bind(gemm, a, b, {}))))
+        others.append((gemm, plain_gemm(config).config_for(bind(gemm, a, b, {}))))
     start = time.perf_counter()
     results = precompile_pairs(defaults, jobs=jobs, decide=True) + precompile_pairs(others, jobs=jobs)
-    failed = [r.line() for r in results if r.status == "failed"]
-    print(f"precompiled {sum(r.ok for r in results)} kernels with {jobs} processes in "
-          f"{time.perf_counter() - start:.0f} s{'; failed: ' + '; '.join(failed) if failed else ''}", flush=True)
-    return {"kernels": sum(r.ok for r in results), "seconds": round(time.perf_counter() - start, 1),
-            "failed": failed}
+    done = {"kernels": sum(r.ok for r in results), "seconds": round(time.perf_counter() - start, 1),
+            "failed": [r.line() for r in results if r.status == "failed"]}
+    print(f"precompiled {done['kernels']} kernels with {jobs} processes in {done['seconds']:.0f} s"
+          + "".join(f"; failed: {line}" for line in done["failed"]), flush=True)
+    return done
 
 
 def print_row(row: dict):

@@ -388,8 +388,9 @@ def gpu_model(device: torch.device, arch: str = KernelConfig.arch) -> str:
 def fill_config(program: Program, m: int, n: int, tile=None, cluster=None, schedule=None,
                 arch: str = KernelConfig.arch, sms: int = GPUS[KernelConfig.gpu], k: int | None = None) -> tuple:
     """(tile, cluster, schedule) with what the caller left out (None) filled by the defaults for
-    an M x N output of a K-deep product (None: a large problem's): a tile alone runs cooperative, a schedule alone gets that schedule's default
-    tile, a missing cluster follows the default cluster rule.  An arch whose backend has defaults
+    an M x N output of a K-deep product (K None: a large problem's) on a GPU of ``sms`` SMs: a
+    tile alone runs cooperative, a schedule alone gets that schedule's default tile, a missing
+    cluster follows the default cluster rule.  An arch whose backend has defaults
     of its own (``Backend.defaults``) fills from those (a cluster: ``Backend.default_cluster``).
     `Kernel` fills its configs here, the CLI through ``runtime_defaults``."""
     fixed = backend(arch).defaults if arch in BACKENDS else None
@@ -404,17 +405,16 @@ def fill_config(program: Program, m: int, n: int, tile=None, cluster=None, sched
 
 def runtime_defaults(program: Program, tile=None, cluster=None, schedule=None,
                      arch: str = KernelConfig.arch) -> tuple[tuple[int, int], tuple[int, int], str]:
-    """Tile, cluster and schedule ``Kernel`` runs for a large problem (M, N in the thousands, K =
-    4096),
-    with the ones given kept and the rest filled as ``Kernel`` fills them: what ``coda-cute emit``,
+    """Tile, cluster and schedule ``Kernel`` runs for a large problem (M, N in the thousands,
+    K = 4096), with the ones given kept and the rest filled as ``Kernel`` fills them: what ``coda-cute emit``,
     ``inspect`` and ``precompile`` build when their flags leave them out.  An arch whose backend
     has defaults of its own (``Backend.defaults``) fills from those."""
     tile, cluster, schedule = fill_config(program, 8192, 8192, tile, cluster, schedule, arch, k=4096)
     return tuple(tile), tuple(cluster), schedule
 
 
-def default_tile(program: Program, m: int, n: int, schedule: str | None = None,
-                 sms: int = GPUS[KernelConfig.gpu], k: int | None = None) -> tuple[tuple[int, int], tuple[int, int], str]:
+def default_tile(program: Program, m: int, n: int, schedule: str | None = None, sms: int = GPUS[KernelConfig.gpu],
+                 k: int | None = None) -> tuple[tuple[int, int], tuple[int, int], str]:
     """Tile, cluster and schedule for an M x N output of a K-deep product on a GPU of ``sms``
     SMs: 128x256 with a 2-CTA cluster for big outputs; ping-pong 128x192 for programs with a
     heavy epilogue (see _heavy_epilogue) up to K = PINGPONG_MAX_K (None: taken as within it),
