@@ -48,6 +48,7 @@ import json
 import os
 import shutil
 import stat
+import statistics
 import tempfile
 import threading
 import time
@@ -534,8 +535,25 @@ def _write_choice(folder_name: str, record_name: str, record: dict) -> None:
 #: seconds of timing per decision, all candidates together (each times at least once; their
 #: compiles come before, once, into the cache)
 TUNE_BUDGET_S = 2.0
+TUNE_ROUNDS = 5  # rounds over the candidates; each candidate's median counts
 
 _TUNED: dict[str, KernelConfig] = {}  # record (cache key of the rules' choice and the shape) -> the winner
+
+
+def _time_in_rounds(timed: list[tuple[KernelConfig, CacheEntry]], time_kernel) -> dict[KernelConfig, float]:
+    """Each candidate's median time over up to TUNE_ROUNDS rounds, every round one call of
+    ``time_kernel`` per candidate, starting one candidate later than the round before, so a clock
+    that drifts while they are timed weighs on all of them alike; timing stops once TUNE_BUDGET_S
+    is spent (the first candidate is always timed)."""
+    samples: dict[KernelConfig, list[float]] = {}
+    start = time.perf_counter()
+    for round_ in range(TUNE_ROUNDS):
+        shift = round_ % len(timed)
+        for candidate, entry in timed[shift:] + timed[:shift]:
+            if samples and time.perf_counter() - start > TUNE_BUDGET_S:
+                return {c: statistics.median(v) for c, v in samples.items()}
+            samples.setdefault(candidate, []).append(float(time_kernel(candidate, entry)))
+    return {c: statistics.median(v) for c, v in samples.items()}
 
 
 def tune_candidates(config: KernelConfig) -> list[KernelConfig]:
@@ -580,11 +598,7 @@ def get_tuned_kernel(program: Program, config: KernelConfig, shape: tuple[int, i
             return TunedKernel(chosen, get_kernel(program, chosen), {})
         built = [(c, get_kernel(program, c)) for c in candidates if c is config or _lowers(program, c)]
         timed = [(c, e) for c, e in built if not e.stack_frame_bytes] or built
-        times, start = {}, time.perf_counter()
-        for candidate, entry in timed:
-            if times and time.perf_counter() - start > TUNE_BUDGET_S:
-                break
-            times[candidate] = float(time_kernel(candidate, entry))
+        times = _time_in_rounds(timed, time_kernel)
         chosen = min(times, key=times.get)
         _TUNED[record] = chosen
         _write_choice("tuned", record, {

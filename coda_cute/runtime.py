@@ -211,27 +211,29 @@ class Kernel:
 
 
 def _candidate_timer(program: Program, problem: Problem):
-    """``time_kernel(config, entry)`` for ``cache.get_tuned_kernel``: the median ms of one call of
-    that kernel on ``problem``'s tensors, outputs and partials in fresh scratch tensors."""
-    def time_kernel(config: KernelConfig, entry: CacheEntry) -> float:
-        plan = CallPlan.build(program, problem, config, entry.function, entry.key)
+    """``time_kernel(config, entry)`` for ``cache.get_tuned_kernel``: ms per call of that kernel on
+    ``problem``'s tensors, over TUNE_BATCH calls back to back (as a training step runs them: no
+    idle GPU between calls, caches as the last call left them), outputs and partials in fresh
+    scratch tensors."""
+    plans = {}
 
-        def call():
+    def time_kernel(config: KernelConfig, entry: CacheEntry) -> float:
+        plan = plans.get(config)
+        if plan is None:
+            plan = plans[config] = CallPlan.build(program, problem, config, entry.function, entry.key)
+            plan.run(problem.a, problem.b, problem.operands, None, False, problem)  # loads the module
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        plan.run(problem.a, problem.b, problem.operands, None, False, problem)  # the GPU busy when timing starts
+        start.record()
+        for _ in range(TUNE_BATCH):
             plan.run(problem.a, problem.b, problem.operands, None, False, problem)
-        call()  # loads the module, warms the caches
-        times = []
-        for _ in range(TUNE_REPS):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / TUNE_BATCH
     return time_kernel
 
 
-TUNE_REPS = 9  # timed calls per candidate (after one untimed), their median counts
+TUNE_BATCH = 5  # calls per timing of a candidate (cache.TUNE_ROUNDS timings each)
 
 
 @dataclass
