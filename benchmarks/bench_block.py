@@ -19,7 +19,7 @@ checked against eager PyTorch (output and input gradient, relative norm < 2e-2).
 Per contender (JSON row per case and d; see `measure_case`): wall time (`triton.testing.do_bench`,
 the median step of 300 ms after 150 ms of steps to settle the clock, median over --reps interleaved
 rounds, each starting one contender later; spread = (max - min) / median); GPU time (torch.profiler:
-the sum of the kernels of one step) split by `kernel_kind` into GEMM / attention / coda-cute finish /
+the sum of the kernels of one step, after 150 ms of steps) split by `kernel_kind` into GEMM / attention / coda-cute finish /
 other, every "other" and "finish" kernel listed with its time; peak memory of one step above what
 was allocated before it (weights excluded, their gradients included).  Every step starts with the
 gradients set to None (as after `optimizer.zero_grad()`), for timing, profiling and memory alike.
@@ -554,11 +554,16 @@ def _site(frames) -> str:
 
 
 def profile_kernels(contender: Contender) -> list[tuple[str, float]]:
-    """The GPU work of one step, (name, ms) per kernel (and memset / memcpy) in start order."""
+    """The GPU work of one step, (name, ms) per kernel (and memset / memcpy) in start order.  The
+    step follows STEADY_MS of steps, as a timed window does: after the memory measurements left
+    the GPU idle, a lone step would run at a clock that sustained steps do not hold."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while time.perf_counter() - start < STEADY_MS / 1e3:
+        contender()
+        torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         contender()
         torch.cuda.synchronize()
