@@ -518,8 +518,12 @@ class _Body:
         return slot
 
     def elementwise(self, node: Node, args: list[list[str]]) -> list[str]:
-        code = ELEMENTWISE[node.op].cute
-        self.ctx.helpers.update(ELEMENTWISE[node.op].helpers)
+        op = ELEMENTWISE[node.op]
+        if node.dtype == "i32" and op.cute_int:
+            code = op.cute_int
+        else:
+            code = op.cute
+            self.ctx.helpers.update(op.helpers)
         # an int32 operand compared with a coordinate is read as an integer (program.reads_as_index)
         dtypes = ["i32" if self._index_operand(node, a) else a.dtype for a in node.args]
         args = [self.load(a, as_index=True) if self._index_operand(node, a) else lanes for a, lanes in zip(node.args, args)]

@@ -54,7 +54,8 @@ class ElementwiseOp:
     ``reference`` computes it with torch on fp32 / int32 / bool tensors (the reference
     interpreter).  ``cute`` is its CuTe-DSL code on scalar lane values ``{0}``, ``{1}``...,
     with ``{t}`` the CuTe type of the result; ``helpers`` are the template's helper functions
-    that code calls.  ``operator`` is the Python operator that spells it on program values
+    that code calls; ``cute_int``, where given, is the code instead when the result is an int32
+    (it calls no helper).  ``operator`` is the Python operator that spells it on program values
     (binary ops are shown infix in listings); an op without one is the frontend function
     ``cc.<name>``, documented by ``doc``.  ``keeps_zero``: the result is exactly 0 when every
     argument is 0 (lowering skips masking padding columns then).  ``derivative`` is its rule for
@@ -68,6 +69,7 @@ class ElementwiseOp:
     cute: str
     operator: str = ""
     helpers: tuple[str, ...] = ()
+    cute_int: str = ""
     keeps_zero: bool = False
     doc: str = ""
     derivative: Callable | None = None  # None: the result carries no gradient (NO_GRADIENT typings)
@@ -128,10 +130,12 @@ ELEMENTWISE: dict[str, ElementwiseOp] = {op.name: op for op in [
     ElementwiseOp("floordiv", _XY, "int", lambda x, y: torch.div(x, y, rounding_mode="floor"),
                   "({0} - ((({0} % {1}) + {1}) % {1})) // {1}", operator="//"),  # floor semantics, as in Python
     ElementwiseOp("mod", _XY, "int", torch.remainder, "(({0} % {1}) + {1}) % {1}", operator="%"),
-    ElementwiseOp("minimum", _XY, "arith", torch.minimum, "cute.math.min({0}, {1}, propagate_nan=True, ftz=True)", keeps_zero=True,
+    ElementwiseOp("minimum", _XY, "arith", torch.minimum, "minimum({0}, {1})", helpers=("minimum",),
+                  cute_int="cute.math.min({0}, {1})", keeps_zero=True,
                   doc="The smaller of x and y, elementwise.",
                   derivative=_d_min_max(smaller=True)),
-    ElementwiseOp("maximum", _XY, "arith", torch.maximum, "cute.math.max({0}, {1}, propagate_nan=True, ftz=True)", keeps_zero=True,
+    ElementwiseOp("maximum", _XY, "arith", torch.maximum, "maximum({0}, {1})", helpers=("maximum",),
+                  cute_int="cute.math.max({0}, {1})", keeps_zero=True,
                   doc="The larger of x and y, elementwise.",
                   derivative=_d_min_max(smaller=False)),
     ElementwiseOp("neg", _X, "arith", torch.neg, "-{0}", operator="-", keeps_zero=True,
@@ -158,7 +162,8 @@ ELEMENTWISE: dict[str, ElementwiseOp] = {op.name: op for op in [
     ElementwiseOp("sigmoid", _X, "float", lambda x: torch.sigmoid(_real(x)), "sigmoid({0})", helpers=("sigmoid",),
                   doc="1 / (1 + exp(-x)).",
                   derivative=lambda g, a, y, cc: (g * y * (1.0 - y),)),
-    ElementwiseOp("relu", _X, "float", lambda x: torch.relu(_real(x)), "cute.math.max({0}, 0.0, propagate_nan=True, ftz=True)", keeps_zero=True,
+    ElementwiseOp("relu", _X, "float", lambda x: torch.relu(_real(x)), "maximum({0}, 0.0)",
+                  helpers=("maximum",), keeps_zero=True,
                   doc="max(x, 0).",
                   derivative=lambda g, a, y, cc: (cc.where(a[0] > 0.0, g, 0.0),)),
     ElementwiseOp("erf", _X, "float", lambda x: torch.erf(_real(x)), "cute.math.erf({0})",
