@@ -402,3 +402,28 @@ def test_tables_staged_in_smem(name, table_dtype, tile, cluster, schedule, stage
     slice per subtile: tile rows map to table row block tile_m mod 2, columns wrap at P = 64."""
     run_and_compare(_sized(name, 1040), 700, 1040, 136, tile=tile, cluster=cluster, schedule=schedule, table_rows=256,
                     operand_dtypes={"cos": table_dtype, "sin": table_dtype}, stage_tables=stage)
+
+
+@cc.epilogue
+def branchless_math(acc, bias: cc.ColVec):
+    """Division, square root and min/max as the epilogue lowers them (div.full, sqrt.approx,
+    NaN-propagating FMNMX), in fp32 so that their error is not hidden by a 16-bit rounding."""
+    y = cc.sqrt(abs(acc) + 0.25) / (1.0 + abs(bias)) + cc.clamp(acc, -1.0, 1.0)
+    return {"D": (cc.maximum(y, bias) - cc.minimum(acc, bias) + cc.relu(acc)).to(cc.f32)}
+
+
+def test_division_square_root_and_min_max_match_torch_nan_included():
+    """As torch computes them (fp32 tolerance), and NaN where torch gives NaN: rows of A made NaN
+    make NaN accumulators, which minimum/maximum/relu/clamp must pass on as torch does."""
+    gen = torch.Generator().manual_seed(17)
+    a, b, ops = make_inputs(branchless_math, 300, 528, 200, torch.bfloat16, gen)
+    a[7] = float("nan")
+    a[133, :5] = float("nan")
+    kernel = Kernel(branchless_math)
+    got = kernel(a, b, **ops)
+    assert kernel.launches == 1
+    want = cc.evaluate(branchless_math, a, b, ops).outputs["D"]
+    assert got.dtype == torch.float32 and torch.equal(got.isnan(), want.isnan()), "NaN where torch has none, or none where it has"
+    assert got[7].isnan().all() and got[133].isnan().all()
+    finite = ~want.isnan()
+    assert_close("D", got[finite], want[finite], *TOLERANCE[torch.float32])
