@@ -423,7 +423,8 @@ def test_division_square_root_and_min_max_match_torch_nan_included():
     got = kernel(a, b, **ops)
     assert kernel.launches == 1
     want = cc.evaluate(branchless_math, a, b, ops).outputs["D"]
-    assert got.dtype == torch.float32 and torch.equal(got.isnan(), want.isnan()), "NaN where torch has none, or none where it has"
+    assert got.dtype == torch.float32
+    assert torch.equal(got.isnan(), want.isnan()), "NaN where torch has none, or none where torch has"
     assert got[7].isnan().all() and got[133].isnan().all()
     finite = ~want.isnan()
     assert_close("D", got[finite], want[finite], *TOLERANCE[torch.float32])

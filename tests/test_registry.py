@@ -158,9 +158,14 @@ def _emulated_dsl() -> dict:
     """Stand-ins for the names the CuTe code uses, on numpy float64 / bool and CInt scalars,
     with the template's helpers (``sigmoid``) defined from their source."""
     with_fastmath = lambda f: lambda x, fastmath=False: f(x)  # noqa: E731
-    cute_math = SimpleNamespace(min=min, max=max, abs=abs, exp=with_fastmath(np.exp), log=with_fastmath(np.log),
-                                sqrt=np.sqrt, rsqrt=lambda x: 1.0 / np.sqrt(x), tanh=np.tanh, erf=math.erf,
-                                rcp=lambda x, approx=False, ftz=False: 1.0 / x)
+    # min / max: NaN-propagating where asked (IEEE minimum), else as minNum (NaN ignored)
+    def min_max(nan, num):
+        return lambda x, y, propagate_nan=False, ftz=False: (nan if propagate_nan else num)(x, y)
+    cute_math = SimpleNamespace(min=min_max(np.minimum, np.fmin), max=min_max(np.maximum, np.fmax), abs=abs,
+                                exp=with_fastmath(np.exp), log=with_fastmath(np.log),
+                                sqrt=lambda x, approx=False, ftz=False: np.sqrt(x), rsqrt=lambda x: 1.0 / np.sqrt(x),
+                                tanh=np.tanh, erf=math.erf, rcp=lambda x, approx=False, ftz=False: 1.0 / x,
+                                div=lambda x, y, full=False, approx=False, ftz=False: x / y)
     names = {"cute": SimpleNamespace(math=cute_math),
              "cutlass": SimpleNamespace(Float32=np.float64, Int32=CInt, select_=lambda c, a, b: a if c else b)}
     helpers = _template_helpers()
@@ -177,7 +182,9 @@ def _samples(op, count: int, rng: np.random.Generator) -> list[tuple]:
         return [tuple(bool(rng.integers(2)) for _ in op.args) for _ in range(count)]
     if op.typing == "select":
         return [(bool(rng.integers(2)), floats(), floats()) for _ in range(count)]
-    return [tuple(floats() for _ in op.args) for _ in range(count)]
+    # floats, and a NaN in each argument: ops that propagate NaN in torch must in the kernel too
+    nans = [tuple(float("nan") if k == j else floats() for k in range(len(op.args))) for j in range(len(op.args))]
+    return [tuple(floats() for _ in op.args) for _ in range(count)] + nans
 
 
 @pytest.mark.parametrize("op", OPS, ids=[op.name for op in OPS])
