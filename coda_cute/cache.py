@@ -545,14 +545,13 @@ def _time_in_rounds(timed: list[tuple[KernelConfig, CacheEntry]], time_kernel) -
     ``time_kernel`` per candidate, starting one candidate later than the round before, so a clock
     that drifts while they are timed weighs on all of them alike; timing stops once TUNE_BUDGET_S
     is spent (the first candidate is always timed)."""
+    turns = [timed[(r + i) % len(timed)] for r in range(TUNE_ROUNDS) for i in range(len(timed))]
     samples: dict[KernelConfig, list[float]] = {}
     start = time.perf_counter()
-    for round_ in range(TUNE_ROUNDS):
-        shift = round_ % len(timed)
-        for candidate, entry in timed[shift:] + timed[:shift]:
-            if samples and time.perf_counter() - start > TUNE_BUDGET_S:
-                return {c: statistics.median(v) for c, v in samples.items()}
-            samples.setdefault(candidate, []).append(float(time_kernel(candidate, entry)))
+    for candidate, entry in turns:
+        if samples and time.perf_counter() - start > TUNE_BUDGET_S:
+            break
+        samples.setdefault(candidate, []).append(float(time_kernel(candidate, entry)))
     return {c: statistics.median(v) for c, v in samples.items()}
 
 
