@@ -19,9 +19,10 @@ checked against eager PyTorch (output and input gradient, relative norm < 2e-2).
 Per contender (JSON row per case and d; see `measure_case`): wall time (`triton.testing.do_bench`,
 the median step of 300 ms after 150 ms of steps to settle the clock, median over --reps interleaved
 rounds, each starting one contender later; spread = (max - min) / median); GPU time (torch.profiler:
-the sum of the kernels of one step, after 150 ms of steps) split by `kernel_kind` into GEMM / attention / coda-cute finish /
-other, every "other" and "finish" kernel listed with its time; peak memory of one step above what
-was allocated before it (weights excluded, their gradients included).  Every step starts with the
+the sum of the kernels of one step, after 150 ms of steps) split by `kernel_kind` into GEMM /
+attention / coda-cute finish / other, every "other" and "finish" kernel listed with its time; peak
+memory of one step above what was allocated before it (weights excluded, their gradients
+included).  Every step starts with the
 gradients set to None (as after `optimizer.zero_grad()`), for timing, profiling and memory alike.
 Per case, the bar: floor + (best torch.compile - floor) / 3, for wall and GPU time, whether each
 coda-cute contender is under it, and its peak memory over the best torch.compile's.
