@@ -284,21 +284,25 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
         t["cols_expr"], t["tile_cols"] = _scaled("EPI_N", t["width"]), _scaled("TILE_N", t["width"])
     for v in ctx.vectors:
         v["elems_expr"] = "TILE_M" if v["is_row"] else _scaled("TILE_N", v["width"])
-    # views through accumulator coordinates (see acc_view_of_ring / acc_view_of_vector)
+    # views through accumulator coordinates (see acc_view_of_stage / acc_view_of_vector): a
+    # ring's view is of the subtile's stage, made in the subtile loop (per_subtile), so that the
+    # pair loop indexes it at static places (ring_lanes); a vector's is made once
     for t in ctx.tile_outputs + ctx.tile_inputs:
         if t["fast"]:
             continue  # N-wide tiles go through stmatrix / ldmatrix fragments instead
+        stage = f"subtile % {t['stages']}"
         if _uses_words(t["width"], t["dtype"]):  # 2N wide, 16-bit: one 64-bit word per column pair
             words = _scaled("EPI_N", t["width"] / 4)
-            ctx.views.append(dict(name=t["view"], expr=f"acc_view_of_ring(ring_as_words({t['smem']}, "
-                                                       f"{t['smem']}__layout), {words}, 0, {t['stages']})"))
+            ctx.views.append(dict(name=t["view"], per_subtile=True,
+                                  expr=f"acc_view_of_stage(ring_as_words({t['smem']}, {t['smem']}__layout), "
+                                       f"{stage}, {words}, 0)"))
             continue
         for lane in _view_lanes(t["width"]):
-            ctx.views.append(dict(name=t["view"] + lane,
-                                  expr=f"acc_view_of_ring({t['smem']}, {t['cols_expr']}, {lane.lstrip('_') or 0}, {t['stages']})"))
+            ctx.views.append(dict(name=t["view"] + lane, per_subtile=True,
+                                  expr=f"acc_view_of_stage({t['smem']}, {stage}, {t['cols_expr']}, {lane.lstrip('_') or 0})"))
     for v in ctx.vectors:
         for lane in ([""] if v["is_row"] else _view_lanes(v["width"])):
-            ctx.views.append(dict(name=v["view"] + lane,
+            ctx.views.append(dict(name=v["view"] + lane, per_subtile=False,
                                   expr=f"acc_view_of_vector({v['smem']}, {v['is_row']}, {v['elems_expr']}, {lane.lstrip('_') or 0})"))
 
 
@@ -426,7 +430,7 @@ class _Body:
         dtype = operand_dtype(self.config, op.name)
         if op.staging != "ring" or not _uses_words(op.width, dtype):
             return None
-        return f"unpack_quad(view_in_{op.name}[pair0], cutlass.{CUTE_DTYPES[dtype]})"
+        return f"unpack_quad(view_in_{op.name}[{self.backend.ring_lanes[0]}], cutlass.{CUTE_DTYPES[dtype]})"
 
     def _read_as_index_only(self, node: Node) -> bool:
         """Whether every read of this operand value is an integer comparison (`acc.col == target`)."""
@@ -561,13 +565,15 @@ class _Body:
         view = f"view_in_{op.name}"
         index = operand_dtype(self.config, op.name) == "i32"  # an int32 vector's values, as fp32 unless as_index
         wrap = "cutlass.Float32({})" if staging == "ring" or (index and not as_index) else "{}"
+        # a ring's view is of the subtile's stage (ring_lanes), a vector's of the tile
+        pair = self.backend.ring_lanes if staging == "ring" else ("pair0", "pair1")
         if op.width in (None, HALF):  # a row vector, or one value per column pair
-            return [wrap.format(f"{view}[pair0]")]
+            return [wrap.format(f"{view}[{pair[0]}]")]
         if staging == "ring" and _uses_fragments(op.width, operand_dtype(self.config, op.name)):
             return [f"cutlass.Float32(frag_in_{op.name}[slot{e}])" for e in (0, 1)]
         if op.width == ONE:
-            return [wrap.format(f"{view}[pair{e}]") for e in (0, 1)]
-        return [wrap.format(f"{view}__{q}[pair{e}]") for e in (0, 1) for q in (0, 1)]
+            return [wrap.format(f"{view}[{pair[e]}]") for e in (0, 1)]
+        return [wrap.format(f"{view}__{q}[{pair[e]}]") for e in (0, 1) for q in (0, 1)]
 
     # -- outputs
     def store(self, out) -> None:
@@ -576,14 +582,15 @@ class _Body:
         dtype = CUTE_DTYPES[stored]
         view = f"view_out_{out.name}"
         self.lines.append(f"# store {out.name}")
+        pair = self.backend.ring_lanes  # outputs are rings: the view of the subtile's stage
         if _uses_words(out.node.width, stored):  # one 64-bit word
             self.ctx.helpers.add("pack_quad")
-            self.lines.append(f"{view}[pair0] = pack_quad({', '.join(lanes)}, cutlass.{dtype})")
+            self.lines.append(f"{view}[{pair[0]}] = pack_quad({', '.join(lanes)}, cutlass.{dtype})")
             return
         fast = _uses_fragments(out.node.width, stored)
-        targets = {HALF: [f"{view}[pair0]"],
-                   ONE: [f"frag_out_{out.name}[slot{e}]" if fast else f"{view}[pair{e}]" for e in (0, 1)],
-                   TWO: [f"{view}__{q}[pair{e}]" for e in (0, 1) for q in (0, 1)]}[out.node.width]
+        targets = {HALF: [f"{view}[{pair[0]}]"],
+                   ONE: [f"frag_out_{out.name}[slot{e}]" if fast else f"{view}[{pair[e]}]" for e in (0, 1)],
+                   TWO: [f"{view}__{q}[{pair[e]}]" for e in (0, 1) for q in (0, 1)]}[out.node.width]
         for target, value in zip(targets, lanes):
             self.lines.append(f"{target} = cutlass.{dtype}({value})")
 

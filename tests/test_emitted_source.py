@@ -29,7 +29,7 @@ RESIDUE = [
     ("a sum with 0", re.compile(r"(?<![\w.])0 \+ |\+ 0(?![\w.])")),
     ("a product with 1", re.compile(r"(?<![\w.])1 \* |\* 1(?![\w.])")),
     ("a division by 1", re.compile(r"// 1(?![\w.])")),
-    ("a literal subtile width", re.compile(r"\(TILE_M, \d+\)|epi_smem_layout\([\w.]+, \d+,")),
+    ("a literal subtile width", re.compile(r"\(TILE_M, [1-9]\d*\)|epi_smem_layout\([\w.]+, \d+,")),  # (a 0: a stride)
     ("a literal vector length", re.compile(r"__i\d+ < \d|MemRange\[cutlass\.\w+, \d+\], 16\]|make_layout\(\d+\)\)$")),
 ]
 

@@ -3,16 +3,18 @@
 N-wide 16-bit tiles move between registers and shared memory with stmatrix / ldmatrix in
 the accumulator's layout: the emitted body writes the value of accumulator pair
 ((e, h, j), m_block) into fragment slot `slot0 + e`.  Other widths go through views of the
-epilogue ring in accumulator coordinates (`acc_view_of_ring`): accumulator column c of a
-tile lands in ring column c // 2 (N/2 wide) or 2c + lane (2N wide, 32-bit) of its subtile's
-stage; 2N-wide 16-bit rings are recast to 64-bit words, and column pair (c, c + 1) lands in
-word c // 2, which must hold ring columns 2c .. 2c + 3 under the ring's swizzle.
+epilogue ring's stage in accumulator coordinates (`acc_view_of_stage`): accumulator column c
+of a tile lands in ring column (c % EPI_N) // 2 (N/2 wide) or 2 (c % EPI_N) + lane (2N wide,
+32-bit) of the stage viewed, whichever subtile c is in; 2N-wide 16-bit rings are recast to
+64-bit words, and column pair (c, c + 1) lands in word c // 2, which must hold ring columns
+2c .. 2c + 3 under the ring's swizzle.
 Here CuTe's layout algebra (static, evaluated while tracing, no GPU) says which (row, col)
 each slot or view element holds, and the tests check it, for the schedules, tiles and
 subtile widths the generator picks.  A wrong mapping would only show on the GPU as a
 permuted output.
 """
 
+import itertools
 import re
 
 import pytest
@@ -53,7 +55,7 @@ def _check_fragment_slots(source: str) -> int:
     slot_expr = lines.pop(0)  # the body's own formula, joined where it spans lines
     while slot_expr.count("(") > slot_expr.count(")"):
         slot_expr += " " + lines.pop(0).strip()
-    slot_of = eval(f"lambda h, j, m_block, mma_m, EPI_N: {slot_expr}")  # our template's text, not user input
+    slot_of = eval(f"lambda h, group, m_block, mma_m, EPI_N: {slot_expr}")  # our template's text, not user input
     threads = [t for t in THREADS if t < kernel.TILE_THREADS]
     checked = []
 
@@ -74,7 +76,7 @@ def _check_fragment_slots(source: str) -> int:
                 for m_block in cutlass.range_constexpr(mma_m):
                     for j in cutlass.range_constexpr(subtile * (epi_n // 8), (subtile + 1) * (epi_n // 8)):
                         for h in cutlass.range_constexpr(2):
-                            slot0 = slot_of(h, j, m_block, mma_m, epi_n)
+                            slot0 = slot_of(h, j - subtile * (epi_n // 8), m_block, mma_m, epi_n)
                             for e in cutlass.range_constexpr(2):
                                 row, col = coords[((e, h, j), m_block, 0)]
                                 f_row, f_col = fragment[slot0 + e]
@@ -118,7 +120,7 @@ def _check_ring_views(source: str, width: str, stage_count: str) -> int:
     kernel = import_source(source, SOURCE_DIR)
     threads = [t for t in THREADS if t < kernel.TILE_THREADS]
     epi_n, stages = kernel.EPI_N, getattr(kernel, stage_count)
-    # 2N-wide 16-bit rings are seen as EPI_N // 2 words: mapped like N/2 (see acc_view_of_ring)
+    # 2N-wide 16-bit rings are seen as EPI_N // 2 words: mapped like N/2 (see acc_view_of_stage)
     cols = {"N/2": epi_n // 2, "2N": 2 * epi_n, "2N words": epi_n // 2}[width]
     lanes = (0, 1) if width == "2N" else (0,)
     checked = []
@@ -130,15 +132,14 @@ def _check_ring_views(source: str, width: str, stage_count: str) -> int:
         for t in cutlass.range_constexpr(len(threads)):
             thr = tiled_mma.get_slice(threads[t])
             coords = thr.partition_C(cute.make_identity_tensor((kernel.TILE_M, kernel.TILE_N)))
-            for lane in cutlass.range_constexpr(len(lanes)):
-                view = thr.partition_C(kernel.acc_view_of_ring(ring, cols, lanes[lane], stages))
+            for lane, stage in itertools.product(range(len(lanes)), range(stages)):
+                view = thr.partition_C(kernel.acc_view_of_stage(ring, stage, cols, lanes[lane]))
                 for k in list(range(cute.size(coords))):  # a Python list: iterated while tracing
                     row, col = coords[k]
-                    sub = col // epi_n
                     want_col = 2 * (col % epi_n) + lanes[lane] if width == "2N" else (col % epi_n) // 2
-                    assert view[k] == (row, want_col, sub % stages), (
-                        f"thread {threads[t]}, accumulator ({row}, {col}), lane {lanes[lane]}: view holds "
-                        f"{view[k]}, want (row {row}, ring column {want_col}, stage {sub % stages})"
+                    assert view[k] == (row, want_col, stage), (
+                        f"thread {threads[t]}, accumulator ({row}, {col}), lane {lanes[lane]}: the view of stage "
+                        f"{stage} holds {view[k]}, want (row {row}, ring column {want_col}, stage {stage})"
                     )
                     checked.append(1)
 
@@ -151,7 +152,7 @@ def _check_ring_views(source: str, width: str, stage_count: str) -> int:
 def test_ring_views_put_each_accumulator_column_in_its_ring_column(name, config):
     source = emit(library.get(name), config)
     width = "N/2" if name == "swiglu" else "2N words"
-    stage_counts = set(re.findall(r"acc_view_of_ring\((?:[^()]|\([^()]*\))*, (EPI_STAGES|IN_STAGES),?\s*\)", source))
+    stage_counts = set(re.findall(r"acc_view_of_stage\((?:[^()]|\([^()]*\))*,\s*subtile % (EPI_STAGES|IN_STAGES),", source))
     assert stage_counts, "no ring view in the emitted source"
     if width == "2N words":
         assert "ring_as_words(" in source, "2N-wide bf16 tiles no longer move as 64-bit words"
@@ -168,7 +169,7 @@ def test_ring_views_of_32_bit_2n_tiles(config):
     columns 2c and 2c + 1; only 16-bit ones move as 64-bit words."""
     source = emit(library.get("swiglu_bwd"), config)
     assert "view_in_preact__0 = " in source and "view_in_preact__1 = " in source
-    assert "acc_view_of_ring(smem_in_preact, 2 * EPI_N, 1, IN_STAGES)" in source  # the view of the pair's second column
+    assert "acc_view_of_stage(smem_in_preact, subtile % IN_STAGES, 2 * EPI_N, 1)" in source  # the pair's second column
     assert _check_ring_views(source, "2N", "IN_STAGES") > 0
     if config.schedule == "cooperative":  # the whole kernel, once (the GPU test runs both)
         compile_program(library.get("swiglu_bwd"), config)
@@ -264,11 +265,12 @@ def test_word_views_address_what_the_ring_views_address(config):
         tiled_mma = kernel.make_tiled_mma()
         for t in cutlass.range_constexpr(len(threads)):
             thr = tiled_mma.get_slice(threads[t])
-            compare(threads[t], thr.partition_C(kernel.acc_view_of_ring(ring, 2 * kernel.EPI_N, 0, kernel.EPI_STAGES)),
-                    thr.partition_C(kernel.acc_view_of_ring(words, kernel.EPI_N // 2, 0, kernel.EPI_STAGES)))
+            for stage in cutlass.range_constexpr(kernel.EPI_STAGES):
+                compare(threads[t], thr.partition_C(kernel.acc_view_of_stage(ring, stage, 2 * kernel.EPI_N, 0)),
+                        thr.partition_C(kernel.acc_view_of_stage(words, stage, kernel.EPI_N // 2, 0)))
 
     cute.compile(probe, options="--gpu-arch sm_90a")
-    assert len(checked) == len(threads) * kernel.TILE_M * kernel.TILE_N // kernel.TILE_THREADS
+    assert len(checked) == len(threads) * kernel.EPI_STAGES * kernel.TILE_M * kernel.TILE_N // kernel.TILE_THREADS
 
 
 @pytest.mark.parametrize("kind", ["sum", "max"])

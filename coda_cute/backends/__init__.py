@@ -41,6 +41,8 @@ class Backend(ABC):
     tune_shapes: tuple = ()
     #: the accumulator's values at one step of the pair loop, as the per-pair code reads them
     acc_lanes: tuple[str, ...]
+    #: where the pair loop indexes a ring's view, which is of the subtile's stage (made per subtile)
+    ring_lanes: tuple[str, str]
     #: a pair's place among a subtile's pairs in a table's register fragment
     table_slot: str
     #: how many rows a thread holds in the pair loop (per-row registers), and which one it is at

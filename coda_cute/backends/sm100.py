@@ -81,6 +81,7 @@ class SM100(Backend):
     # every shape it builds (none measured: no Blackwell GPU has run these kernels)
     tune_shapes = tuple((tile, cluster, "cooperative") for tile in TILES for cluster in CLUSTERS[tile[0]])
     acc_lanes = ("acc[slot0]", "acc[slot1]")
+    ring_lanes = ("slot0", "slot1")  # the pair's columns in its subtile's stage
     table_slot = "k"  # the pair's step in the subtile: a table fragment holds one subtile of the row
     row_registers = "1"  # a thread holds one row
     row_register = "0"

@@ -39,9 +39,10 @@ class SM90(Backend):
                    ((256, 128), (2, 1), "cooperative"), ((128, 192), (1, 2), "pingpong"),
                    ((128, 128), (1, 2), "pingpong"), ((128, 128), (2, 1), "cooperative"))
     acc_lanes = ("acc[pair0]", "acc[pair1]")
+    ring_lanes = ("ring_pair0", "ring_pair1")  # the pair in its subtile's stage: ((e, h, group), m_block, 0)
     # a column pair's place among one subtile's pairs in a table fragment: the gather and the body
     # (the template, via render) both index it so
-    table_slot = "h + 2 * (m_block + mma_m * (j % (EPI_N // 8)))"
+    table_slot = "h + 2 * (m_block + mma_m * group)"
     row_registers = "2 * mma_m"  # two rows (h) per MMA block
     row_register = "m_block * 2 + h"
     row_sharing = "the 4 threads of a row share it"
@@ -106,7 +107,7 @@ class SM90(Backend):
         return [f"# {label}, over the whole tile", *(line for pair in init for line in pair), *lines], []
 
     def column_slot(self, reg: str, lane: int) -> str:
-        return f"{reg}[(j % (EPI_N // 8)) * 2{f' + {lane}' if lane else ''}]"
+        return f"{reg}[group * 2{f' + {lane}' if lane else ''}]"
 
     def row_partials(self, name: str, partial: str, read: list[str], fold: list[str], write: list[str]) -> list[str]:
         return [f"# {name}: combine the 4 threads of each row, write this tile's {partial}",
@@ -134,7 +135,8 @@ class SM90(Backend):
             return []
         lines = ["gather_stage = gather_subtile % 2  # the fragments' stage for that subtile",
                  "for m_block in cutlass.range_constexpr(mma_m):",
-                 "    for j in cutlass.range_constexpr(gather_subtile * (EPI_N // 8), (gather_subtile + 1) * (EPI_N // 8)):",
+                 "    for group in cutlass.range_constexpr(EPI_N // 8):",
+                 "        j = gather_subtile * (EPI_N // 8) + group",
                  "        for h in cutlass.range_constexpr(2):",
                  "            row_in_tile, col_in_tile = tCcAcc[((0, h, j), m_block, 0)]",
                  "            row = row0 + row_in_tile",
