@@ -513,11 +513,12 @@ def test_the_segment_reductions_equal_the_reference_when_run_on_cpu_stand_ins(ki
         for i in range(epi_n):
             registers[i] = accumulator[:, epi_n * subtile + i].copy()
 
-    class Stored:  # view_out_X: this thread's row of output X, by accumulator column (N/2: c // 2)
+    class Stored:  # view_out_X: this thread's row of output X's stage for the subtile, by its column
         def __init__(self, name):
             self.name = name
 
         def __setitem__(self, col, value):
+            col += epi_n * namespace["subtile"]  # the tile's accumulator column (N/2: c // 2)
             stored[self.name][:, col // 2 if paired else col] = value
 
     math = SimpleNamespace(max=np.maximum, abs=np.abs, exp=lambda x, fastmath=False: np.exp(x),
