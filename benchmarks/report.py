@@ -34,17 +34,18 @@ HERE = Path(__file__).resolve().parent
 #: the newest archived run of each kind for each d, newest first (paths relative to benchmarks/);
 #: an entry may be (path, note), the note printed under that file's tables' heading
 INPUTS = [
+    ("results/archive/2026-12-06i-h100-programs-8192x4096x4096-6104ba4.json",
+     "On an H100 80GB HBM3, after bd87b29 (division and square root without IEEE slow paths) and 2fbec7c "
+     "(autotune timed in rounds); ping-pong kernels ran the subtile loop from the IR (undone in 6bcd476)."),
+    ("results/archive/2026-12-06i-h100-programs-8192x2048x2048-6104ba4.json",
+     "On an H100 80GB HBM3, after bd87b29 and 2fbec7c; ping-pong kernels as above."),
+    ("results/archive/2026-12-06i-h100-runtime-e9691e1.json",
+     "On an H100 80GB HBM3 whose host compiles 1.47x faster than 59000c0's (our GEMM 0.77 vs 1.13 s): after "
+     "6104ba4 (cooperative kernels' subtile loop in the IR)."),
     ("results/archive/2026-12-06h-h100-d8192-mlp-block-59000c0.json",
      "On an H100 80GB HBM3: the SwiGLU backward + h at ping-pong 128x192 again (fa68938). 3 rounds. GPU times are "
      "of one step profiled after the memory measurements left the GPU idle (bench_block profiles after 150 ms of "
      "steps since 2a5a196)."),
-    ("results/archive/2026-12-06h-h100-programs-8192x4096x4096-59000c0.json",
-     "On an H100 80GB HBM3, before bd87b29 (division and square root without IEEE slow paths) and 2fbec7c "
-     "(autotune timed in rounds)."),
-    ("results/archive/2026-12-06h-h100-programs-8192x2048x2048-59000c0.json",
-     "On an H100 80GB HBM3, before bd87b29 and 2fbec7c."),
-    ("results/archive/2026-12-06h-h100-runtime-59000c0.json",
-     "On an H100 80GB HBM3, after 3641185 (the warm path loads one epilogue module and keys without tvm_ffi)."),
     ("results/archive/2026-12-06g-h100-d8192-mlp-7527889.json",
      "On an H100 80GB HBM3: after 541d5e8 (heavy epilogues cooperative beyond K = 4096) and 809a1cb (the "
      "normalized input made before the weight gradient). 3 rounds."),
