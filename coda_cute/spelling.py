@@ -14,5 +14,6 @@ def reduce_term(kind: str, value: str) -> str:
 
 
 def combine(kind: str, a: str, b: str) -> str:
-    """Two partial results of a reduction of ``kind``, folded."""
-    return f"{a} + {b}" if kind in ("sum", "sumsq") else f"cute.math.max({a}, {b})"
+    """Two partial results of a reduction of ``kind``, folded: a max is NaN where either is, as
+    torch.amax's is."""
+    return f"{a} + {b}" if kind in ("sum", "sumsq") else f"cute.math.max({a}, {b}, propagate_nan=True)"

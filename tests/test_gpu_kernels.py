@@ -428,3 +428,33 @@ def test_division_square_root_and_min_max_match_torch_nan_included():
     assert got[7].isnan().all() and got[133].isnan().all()
     finite = ~want.isnan()
     assert_close("D", got[finite], want[finite], *TOLERANCE[torch.float32])
+
+
+@cc.epilogue
+def nan_maxes(acc):
+    """Every reduction that takes a maximum, across tiles (finished after the kernel) and within
+    a 64-column segment."""
+    return {"D": acc.to(cc.f32), "rmax": cc.row_max(acc), "rmaxabs": cc.row_maxabs(acc), "cmax": cc.col_max(acc),
+            "cmaxabs": cc.col_maxabs(acc), "rlse": cc.row_logsumexp(acc),
+            "E": (acc - cc.row_max(acc, segment=64)).to(cc.f32)}
+
+
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+def test_maxima_are_nan_where_torch_amax_is(schedule):
+    """A NaN in a row of A makes that row's maxima NaN (and every column's, which it crosses),
+    a NaN in a row of B that column's (and every row's), as torch.amax and torch.logsumexp give
+    them: the maxima within a thread, across lanes, across warps and across tiles all pass NaN on."""
+    gen = torch.Generator().manual_seed(23)
+    for operand, row in (("a", 133), ("b", 300)):
+        a, b, ops = make_inputs(nan_maxes, 300, 528, 200, torch.bfloat16, gen)
+        (a if operand == "a" else b)[row, 3] = float("nan")
+        kernel = Kernel(nan_maxes, tile=(128, 128), cluster=(1, 1), schedule=schedule)
+        got = kernel(a, b, **ops)
+        assert kernel.last.path == "kernel" and kernel.launches == 1
+        want = cc.evaluate(nan_maxes, a, b, ops).outputs
+        for name, value in got.items():
+            assert torch.equal(value.isnan(), want[name].isnan()), f"{name}: NaN where torch has none, or none where it has"
+            finite = ~want[name].isnan()
+            assert_close(name, value[finite], want[name][finite], *REDUCTION_TOLERANCE)
+        nan_rows = got["rmax"].isnan()
+        assert nan_rows.sum() == (1 if operand == "a" else 300) and got["cmax"].isnan().sum() == (528 if operand == "a" else 1)

@@ -313,7 +313,7 @@ def test_column_exchange_parks_each_columns_warp_total_in_its_slot(config, kind)
     start = torch.randint(-50, 50, (values, 32), generator=torch.Generator().manual_seed(epi_n)).double()
     red = start.clone()
     fake_cute = types.SimpleNamespace(arch=types.SimpleNamespace(shuffle_sync_bfly=lambda x, offset: x[lanes ^ offset]),
-                                      math=types.SimpleNamespace(max=torch.maximum))
+                                      math=types.SimpleNamespace(max=lambda x, y, propagate_nan: torch.maximum(x, y)))
     exec("\n".join(lines[:split]), {"red": red, "ctidx": lanes, "where": torch.where, "cute": fake_cute,
                                     "cutlass": types.SimpleNamespace(range_constexpr=range)})
 

@@ -206,7 +206,7 @@ def test_the_column_exchange_sums_each_column_over_a_warp(kind, offset):
         col_scratch=np.full(2 * threads, np.nan), where=np.where,
         cutlass=SimpleNamespace(range_constexpr=range),
         cute=SimpleNamespace(arch=SimpleNamespace(shuffle_sync_bfly=lambda x, offset: x[ctidx ^ offset]),
-                             math=SimpleNamespace(max=np.maximum)),
+                             math=SimpleNamespace(max=lambda x, y, propagate_nan: np.maximum(x, y))),
     )
     exec(code, namespace)
     start = threads if offset else 0
@@ -521,8 +521,8 @@ def test_the_segment_reductions_equal_the_reference_when_run_on_cpu_stand_ins(ki
             col += epi_n * namespace["subtile"]  # the tile's accumulator column (N/2: c // 2)
             stored[self.name][:, col // 2 if paired else col] = value
 
-    math = SimpleNamespace(max=np.maximum, abs=np.abs, exp=lambda x, fastmath=False: np.exp(x),
-                           log=lambda x, fastmath=False: np.log(x))
+    math = SimpleNamespace(max=lambda x, y, propagate_nan=False: np.maximum(x, y), abs=np.abs,
+                           exp=lambda x, fastmath=False: np.exp(x), log=lambda x, fastmath=False: np.log(x))
     namespace = dict(
         EPI_N=epi_n, TILE_N=tile_n, EPI_SUBTILES=tile_n // epi_n, ctidx=np.arange(threads), row0=0, col0=0, M=tile_m,
         N=tile_n, t2r=None, tTR_tAcc=Copy(), acc_state=SimpleNamespace(index=0), acc=_Registers(epi_n),
@@ -606,7 +606,8 @@ def test_the_row_reductions_equal_the_reference_when_run_on_cpu_stand_ins(tile):
         def fill(self, value):
             self.values = [value] * len(self.values)
 
-    math = SimpleNamespace(max=max, abs=abs, exp=lambda x, fastmath=False: float(np.exp(x)),
+    math = SimpleNamespace(max=lambda x, y, propagate_nan=False: max(x, y), abs=abs,
+                           exp=lambda x, fastmath=False: float(np.exp(x)),
                            log=lambda x, fastmath=False: float(np.log(x)))
     code = lambda lines: compile("\n".join(lines), "epilogue", "exec")  # noqa: E731
     prologue, epilogue = code(ctx.tile_prologue), code(ctx.tile_epilogue)
