@@ -380,6 +380,35 @@ def test_cuda_graph_capture_of_a_warm_kernel_and_refusal_when_cold():
                 cold(a, b, **ops)
 
 
+def test_calls_share_their_plans_partials_on_its_stream_only():
+    """Calls that do not return the partials share their plan's (CallPlan.scratch_partials) on the
+    stream that made them: calls queued back to back on other inputs each finish their own values.
+    A call on another stream, running beside them, and partials returned to the caller are their
+    own tensors."""
+    program = library.get("residual_sumsq")
+    gen = torch.Generator().manual_seed(29)
+    inputs = [make_inputs(program, 300, 528, 200, torch.bfloat16, gen) for _ in range(3)]
+    kernel = Kernel(program)
+    results = [kernel(a, b, **ops) for a, b, ops in inputs]  # no synchronization in between
+    (plan,) = kernel._plans.values()
+    scratch = plan.scratch_partials()
+    assert plan.scratch_partials() is scratch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        assert plan.scratch_partials() is not scratch
+        beside = kernel(inputs[1][0], inputs[1][1], **inputs[1][2])
+        returned, parts = kernel(inputs[2][0], inputs[2][1], return_partials=True, **inputs[2][2])
+    torch.cuda.current_stream().wait_stream(side)
+    kept = parts["sumsq"].clone()
+    kernel(inputs[0][0], inputs[0][1], **inputs[0][2])
+    torch.cuda.synchronize()
+    assert kernel.launches == 6 and all(p.data_ptr() != scratch["sumsq"].data_ptr() for p in parts.values())
+    assert torch.equal(parts["sumsq"], kept), "partials returned to the caller were written by a later call"
+    for (a, b, ops), got in zip(inputs + inputs[1:], results + [beside, returned]):
+        assert_close("sumsq", got["sumsq"], cc.evaluate(program, a, b, ops).outputs["sumsq"], *REDUCTION_TOLERANCE)
+
+
 @pytest.mark.parametrize("name,runs", [("rms_swiglu_save", ((128, 256), "cooperative")),
                                        ("swiglu_bwd_recompute", ((128, 192), "pingpong"))])
 def test_heavy_epilogue_default_at_a_deep_k(name, runs):
