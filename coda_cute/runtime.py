@@ -214,39 +214,28 @@ class Kernel:
 
 def _candidate_timer(program: Program, problem: Problem):
     """``time_kernel(config, entry)`` for ``cache.get_tuned_kernel``: ms per call of that kernel on
-    ``problem``'s tensors, over calls back to back (as a training step runs them: no idle GPU
-    between calls, caches as the last call left them) for at least TUNE_WINDOW_MS, outputs in
-    fresh tensors.  Before the first timing the GPU runs TUNE_WARMUP_MS of calls, so that every
-    candidate is timed at the clock sustained work holds under the board's power cap, not at
-    the higher one a short burst after an idle moment can meet."""
-    plans, batches = {}, {}
-
-    def timed(plan, calls: int) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        plan.run(problem.a, problem.b, problem.operands, None, False, problem)  # the GPU busy when timing starts
-        start.record()
-        for _ in range(calls):
-            plan.run(problem.a, problem.b, problem.operands, None, False, problem)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / calls
+    ``problem``'s tensors, over TUNE_BATCH calls back to back (as a training step runs them: no
+    idle GPU between calls, caches as the last call left them), outputs and partials in fresh
+    scratch tensors."""
+    plans = {}
 
     def time_kernel(config: KernelConfig, entry: CacheEntry) -> float:
         plan = plans.get(config)
         if plan is None:
             plan = plans[config] = CallPlan.build(program, problem, config, entry.function, entry.key)
             plan.run(problem.a, problem.b, problem.operands, None, False, problem)  # loads the module
-            per_call = timed(plan, TUNE_BATCH)
-            if not batches:  # the first candidate: the warm-up
-                timed(plan, max(1, math.ceil(TUNE_WARMUP_MS / per_call)))
-            batches[config] = max(TUNE_BATCH, math.ceil(TUNE_WINDOW_MS / per_call))
-        return timed(plan, batches[config])
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        plan.run(problem.a, problem.b, problem.operands, None, False, problem)  # the GPU busy when timing starts
+        start.record()
+        for _ in range(TUNE_BATCH):
+            plan.run(problem.a, problem.b, problem.operands, None, False, problem)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / TUNE_BATCH
     return time_kernel
 
 
-TUNE_BATCH = 5  # the fewest calls per timing of a candidate (cache.TUNE_ROUNDS timings each)
-TUNE_WINDOW_MS = 20.0  # each timing spans at least this much GPU time
-TUNE_WARMUP_MS = 200.0  # of calls before the first timing
+TUNE_BATCH = 5  # calls per timing of a candidate (cache.TUNE_ROUNDS timings each)
 
 
 @dataclass
