@@ -39,6 +39,11 @@ INPUTS = [
      "(autotune timed in rounds); ping-pong kernels ran the subtile loop from the IR (undone in 6bcd476)."),
     ("results/archive/2026-12-06i-h100-programs-8192x2048x2048-6104ba4.json",
      "On an H100 80GB HBM3, after bd87b29 and 2fbec7c; ping-pong kernels as above."),
+    ("results/archive/2026-12-06j-h100-d8192-mlp-block-70ca0fe.json",
+     "On an H100 80GB HBM3: GPU times of a step profiled after 150 ms of steps (2a5a196). 5 rounds; the "
+     "block's coda-cute wall times spread 12 %."),
+    ("results/archive/2026-12-06j-h100-d2048-mlp-block-70ca0fe.json",
+     "On an H100 80GB HBM3: GPU times of a step profiled after 150 ms of steps (2a5a196). 5 rounds."),
     ("results/archive/2026-12-06i-h100-runtime-e9691e1.json",
      "On an H100 80GB HBM3 whose host compiles 1.47x faster than 59000c0's (our GEMM 0.77 vs 1.13 s): after "
      "6104ba4 (cooperative kernels' subtile loop in the IR)."),
