@@ -84,6 +84,7 @@ class CacheEntry:
     path: Path | None
     seconds: float  # compile or load time
     stack_frame_bytes: int | None = None  # CompiledKernel.stack_frame_bytes, kept in the manifest
+    instructions: int | None = None  # CompiledKernel.instructions, kept in the manifest
 
 
 _MEMORY: dict[str, CacheEntry] = {}
@@ -302,9 +303,11 @@ def _load(folder: Path, key: str) -> CacheEntry | None:
         from cutlass.cute.runtime import load_module
 
         function = load_module(str(folder / "kernel.o"), enable_tvm_ffi=True)["func"]
-        frame = manifest.get("stack_frame_bytes")
+        frame, instructions = (manifest.get(field) for field in ("stack_frame_bytes", "instructions"))
         frame = frame if type(frame) is int and frame >= 0 else None
-        return CacheEntry(key, function, source.decode(), "disk", folder, time.perf_counter() - start, frame)
+        instructions = instructions if type(instructions) is int and instructions > 0 else None
+        return CacheEntry(key, function, source.decode(), "disk", folder, time.perf_counter() - start, frame,
+                          instructions)
     except Exception:  # unreadable, half-written, or refused by the loader: rebuilt by the lock holder
         return None
 
@@ -315,7 +318,7 @@ def _compile(program: Program, config: KernelConfig, key: str) -> CacheEntry:
     with _COMPILE_LOCK:
         compiled = compile_program(program, config, tvm_ffi=True)
     return CacheEntry(key, compiled.function, compiled.source, "compiled", None, compiled.compile_seconds,
-                      compiled.stack_frame_bytes)
+                      compiled.stack_frame_bytes, compiled.instructions)
 
 
 def _store(entry: CacheEntry, program: Program, config: KernelConfig, folder: Path) -> None:
@@ -334,6 +337,7 @@ def _store(entry: CacheEntry, program: Program, config: KernelConfig, folder: Pa
                 "config": config.describe(),
                 "compile_seconds": round(entry.seconds, 3),
                 "stack_frame_bytes": entry.stack_frame_bytes,
+                "instructions": entry.instructions,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "object_sha256": _sha256(staging / "kernel.o"),
                 "source_sha256": hashlib.sha256(entry.source.encode()).hexdigest(),
@@ -379,18 +383,43 @@ def _sha256(path: Path) -> str:
 SPILL_FALLBACKS = (((128, 256), "cooperative"), ((128, 192), "pingpong"), ((128, 128), "cooperative"))
 
 
-def default_candidates(config: KernelConfig) -> list[KernelConfig]:
+#: A ping-pong 128x192 consumer holds 192 fp32 accumulators of its 240 registers: an epilogue with
+#: much math per element has no registers left for instruction-level parallelism there, runs
+#: latency-bound and outlasts the other warpgroup's mainloop it should hide behind.  Where the
+#: rules' choice is that tile and its kernel has more SASS instructions per accumulator than
+#: this, calls run ping-pong 128x128 (128 accumulators) instead, if it does not spill.  H100,
+#: 8192x4096x4096 (benchmarks/results, "Programs nobody tuned"): random_11 of bench_programs (55
+#: instructions per accumulator at 128x192) ran 1.88x our GEMM there and 1.04x at 128x128; the
+#: heaviest others at 128x192, random_1 (35) and the SwiGLU backward with h (33), 0.99x and 1.06x
+LATENCY_BOUND = ((128, 192), "pingpong", 45)
+LATENCY_FALLBACK = ((128, 128), "pingpong")
+
+
+def _accumulators(config: KernelConfig) -> int:
+    """fp32 accumulators each epilogue thread of ``config`` holds."""
+    rows, cols = backend(config.arch).cta_tile(config.tile)
+    return rows * cols // backend(config.arch).tile_threads(config)
+
+
+def latency_bound(config: KernelConfig, instructions: int | None) -> bool:
+    """Whether a kernel of ``config`` with ``instructions`` SASS instructions (its cubin's, None:
+    unknown) is one LATENCY_BOUND describes."""
+    tile, schedule, limit = LATENCY_BOUND
+    return (tuple(config.tile) == tile and config.schedule == schedule and instructions is not None
+            and instructions > limit * _accumulators(config))
+
+
+def default_candidates(config: KernelConfig, latency: bool = False) -> list[KernelConfig]:
     """``config`` (the runtime's choice for a call that fixed none of tile, cluster and schedule),
     then the SPILL_FALLBACKS of another schedule, or of its own holding fewer fp32 accumulators
     per thread (with as many and the same register budget, the epilogue has no more room), with
-    its cluster and every other field."""
-    def accumulators(c: KernelConfig) -> int:
-        rows, cols = backend(c.arch).cta_tile(c.tile)
-        return rows * cols // backend(c.arch).tile_threads(c)
-
-    fallbacks = (config.with_(tile=tile, schedule=schedule) for tile, schedule in SPILL_FALLBACKS)
+    its cluster and every other field; with ``latency`` (``config``'s kernel is latency_bound),
+    LATENCY_FALLBACK right after it."""
+    fallbacks = [config.with_(tile=tile, schedule=schedule) for tile, schedule in SPILL_FALLBACKS]
+    if latency:
+        fallbacks.insert(0, config.with_(tile=LATENCY_FALLBACK[0], schedule=LATENCY_FALLBACK[1]))
     return [config] + [c for c in fallbacks
-                       if c.schedule != config.schedule or accumulators(c) < accumulators(config)]
+                       if c.schedule != config.schedule or _accumulators(c) < _accumulators(config)]
 
 
 _DEFAULTS: dict[str, KernelConfig] = {}  # cache key of the rules' choice -> the configuration calls run
@@ -408,14 +437,17 @@ class DefaultKernel:
 
 def get_default_kernel(program: Program, config: KernelConfig) -> DefaultKernel:
     """The kernel a call runs when it fixed none of tile, cluster and schedule: ``config`` (the
-    runtime's rules' choice) unless its kernel spills registers, then the first of the fallbacks
-    in ``default_candidates(config)`` that does not (``config`` where every one does).
+    runtime's rules' choice) unless its kernel spills registers or is ``latency_bound``, then the
+    first of the fallbacks in ``default_candidates`` (LATENCY_FALLBACK first where ``config``
+    is latency-bound without spilling) that is neither; else the first of them that does not
+    spill (``config`` where every one does).
 
-    Spills are read from each kernel's stack frame (``CompiledKernel.stack_frame_bytes``, free at
-    compile time and kept in the manifest); a kernel whose frame is unknown is taken as it is.
-    Candidates compile into the cache like any kernel, and the decision is kept in memory and on
-    disk (``<root>/defaults/<key>.json``, key: the rules' choice's ``cache_key``), so a later call
-    or process goes straight to the chosen kernel and nothing is compiled twice."""
+    Spills are read from each kernel's stack frame (``CompiledKernel.stack_frame_bytes``) and
+    its length from its SASS (``CompiledKernel.instructions``), both free at compile time and kept
+    in the manifest; a kernel whose frame or length is unknown is taken as it is.  Candidates
+    compile into the cache like any kernel, and the decision is kept in memory and on disk
+    (``<root>/defaults/<key>.json``, key: the rules' choice's ``cache_key``), so a later call or
+    process goes straight to the chosen kernel and nothing is compiled twice."""
     config = config.resolved(program)
     key = cache_key(program, config)
     with _LOCK:
@@ -424,15 +456,20 @@ def get_default_kernel(program: Program, config: KernelConfig) -> DefaultKernel:
         chosen = _kept_default(key, config)
         if chosen is not None:
             return DefaultKernel(chosen, get_kernel(program, chosen), [])
+        first = get_kernel(program, config)
+        # (where it spills as well, the fallbacks for spills, in their measured order)
+        latency = not first.stack_frame_bytes and latency_bound(config, first.instructions)
         tried = []
-        for candidate in default_candidates(config):
+        for candidate in default_candidates(config, latency):
             if tried and not _lowers(program, candidate):
                 continue  # a fallback's tile may not fit a segment, or its rings the shared memory
-            entry = get_kernel(program, candidate)
+            entry = first if candidate is config else get_kernel(program, candidate)
             tried.append((candidate, entry))
-            if not entry.stack_frame_bytes:
+            if not entry.stack_frame_bytes and not latency_bound(candidate, entry.instructions):
                 break
-        chosen, entry = tried[-1] if not tried[-1][1].stack_frame_bytes else tried[0]
+        good = [(c, e) for c, e in tried if not e.stack_frame_bytes and not latency_bound(c, e.instructions)]
+        spill_free = [(c, e) for c, e in tried if not e.stack_frame_bytes]
+        chosen, entry = (good or spill_free or tried)[0]
         _DEFAULTS[key] = chosen
         _write_default(program, config, key, chosen, tried)
     return DefaultKernel(chosen, entry, tried)
@@ -458,7 +495,7 @@ def _lowers(program: Program, config: KernelConfig) -> bool:
 
 
 def _kept_default(key: str, config: KernelConfig) -> KernelConfig | None:
-    return _kept_choice(_DEFAULTS, "defaults", key, key, default_candidates(config))
+    return _kept_choice(_DEFAULTS, "defaults", key, key, default_candidates(config, latency=True))
 
 
 def _kept_choice(memory: dict, folder: str, record: str, key: str,
@@ -503,7 +540,8 @@ def _write_default(program: Program, config: KernelConfig, key: str, chosen: Ker
         "program": program.name,
         "asked": config.describe(),
         "chosen": _choice(chosen),
-        "tried": [{"config": short_config(c), "stack_frame_bytes": e.stack_frame_bytes} for c, e in tried],
+        "tried": [{"config": short_config(c), "stack_frame_bytes": e.stack_frame_bytes, "instructions": e.instructions}
+                  for c, e in tried],
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })
 

@@ -51,6 +51,8 @@ class CompiledKernel:
     #: ptxas puts spilled registers, and 0 exactly when nothing spills (the kernels have no local
     #: arrays or calls); free to read, unlike ``spill_bytes``, which needs ``report``
     stack_frame_bytes: int | None = None
+    #: SASS instructions of its largest kernel (the GEMM), from the cubin (None: not found there)
+    instructions: int | None = None
 
     @property
     def registers(self) -> int | None:
@@ -182,7 +184,8 @@ def compile_source(source: str, program: Program, config: KernelConfig, *, keep:
             function = cute.compile(kernel_class(), *args, stream, options=options)
         seconds = time.perf_counter() - start
     compiled = CompiledKernel(program, config, source, function, module, seconds, report=captured.getvalue(),
-                              stack_frame_bytes=stack_frame_bytes(function.__cubin__))
+                              stack_frame_bytes=stack_frame_bytes(function.__cubin__),
+                              instructions=kernel_instructions(function.__cubin__))
     if keep:
         compiled.artifacts = _collect(dump_dir, keep)
     return compiled
@@ -199,10 +202,9 @@ _EIFMT_SVAL = 4  # an .nv.info record whose 16-bit field is the size of the valu
 _EIATTR_FRAME_SIZE = 0x11  # its value: (ELF symbol index, stack frame bytes) of one function
 
 
-def stack_frame_bytes(cubin: bytes | None) -> int | None:
-    """The largest stack frame (local memory per thread) among the functions of ``cubin``, from
-    the EIATTR_FRAME_SIZE records of its ``.nv.info`` sections (what ``ptxas -v`` prints as
-    "bytes stack frame"); None if it has none, or is not a 64-bit little-endian ELF file."""
+def _elf_sections(cubin: bytes | None) -> list[tuple[bytes, int, int]] | None:
+    """(name, offset, size) of each section of ``cubin``; None if it is not a 64-bit little-endian
+    ELF file or its section table cannot be read."""
     if not cubin or cubin[:6] != b"\x7fELF\x02\x01":
         return None
     try:
@@ -211,10 +213,20 @@ def stack_frame_bytes(cubin: bytes | None) -> int | None:
         # Elf64_Shdr: name, (type, flags, addr), offset, size
         sections = [struct.unpack_from("<I20xQQ", cubin, table_at + i * entry_size) for i in range(count)]
         names_at = sections[names_index][1]
-        frames = []
-        for name, offset, size in sections:
-            start = names_at + name
-            if not cubin[start:cubin.index(b"\0", start)].startswith(b".nv.info"):
+        return [(cubin[names_at + name:cubin.index(b"\0", names_at + name)], offset, size)
+                for name, offset, size in sections]
+    except (struct.error, ValueError, IndexError):
+        return None
+
+
+def stack_frame_bytes(cubin: bytes | None) -> int | None:
+    """The largest stack frame (local memory per thread) among the functions of ``cubin``, from
+    the EIATTR_FRAME_SIZE records of its ``.nv.info`` sections (what ``ptxas -v`` prints as
+    "bytes stack frame"); None if it has none, or is not a 64-bit little-endian ELF file."""
+    frames = []
+    try:
+        for name, offset, size in _elf_sections(cubin) or []:
+            if not name.startswith(b".nv.info"):
                 continue
             at = offset
             while at + 4 <= offset + size:  # records: format, attribute, a 16-bit value or size
@@ -224,9 +236,17 @@ def stack_frame_bytes(cubin: bytes | None) -> int | None:
                     if attribute == _EIATTR_FRAME_SIZE and value == 8:
                         frames.append(struct.unpack_from("<I", cubin, at + 4)[0])
                     at += value
-        return max(frames) if frames else None
-    except (struct.error, ValueError, IndexError):
+    except struct.error:
         return None
+    return max(frames) if frames else None
+
+
+def kernel_instructions(cubin: bytes | None) -> int | None:
+    """SASS instructions in the largest function of ``cubin`` (the GEMM kernel: the finishing
+    kernel is far smaller), from its ``.text`` section's size (16 bytes an instruction on sm_90
+    and sm_100); None if it has none, or is not a 64-bit little-endian ELF file."""
+    sizes = [size for name, _, size in _elf_sections(cubin) or [] if name.startswith(b".text.")]
+    return max(sizes) // 16 if sizes else None
 
 
 def _collect(dump_dir: Path, keep: tuple[str, ...]) -> dict:

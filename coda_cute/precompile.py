@@ -34,6 +34,7 @@ class PrecompileResult:
     path: str | None = None  # the cache entry's folder
     message: str = ""  # why it was skipped or failed
     chosen: KernelConfig | None = None  # with ``decide``: the configuration calls run (``config`` or a fallback)
+    why: str = ""  # with ``decide``, where ``chosen`` is a fallback: why ``config`` is not run
 
     @property
     def ok(self) -> bool:
@@ -42,9 +43,10 @@ class PrecompileResult:
     def line(self) -> str:
         what = f"{self.program} {short_config(self.config)}"
         if self.ok:
-            spills = "" if self.chosen in (None, self.config) else (
-                f"; it spills, so calls run tile {self.chosen.tile[0]}x{self.chosen.tile[1]} {self.chosen.schedule}")
-            return f"{what}: {self.seconds:.2f} s ({self.status}){spills}"
+            fallback = "" if self.chosen in (None, self.config) else (
+                f"; {self.why or 'decided before'}, so calls run tile {self.chosen.tile[0]}x{self.chosen.tile[1]} "
+                f"{self.chosen.schedule}")
+            return f"{what}: {self.seconds:.2f} s ({self.status}){fallback}"
         return f"{what}: {self.status} ({self.message})"
 
 
@@ -55,18 +57,22 @@ def _plain(program: Program) -> Program:
 
 
 def _compile_one(program: Program, config: KernelConfig,
-                 decide: bool) -> tuple[str, float, str | None, KernelConfig | None]:
+                 decide: bool) -> tuple[str, float, str | None, KernelConfig | None, str]:
     """Worker: compile (or find) one kernel in the disk cache, or with ``decide`` the default
-    kernel for ``config`` ("compiled" where any candidate was), and the configuration it chose."""
+    kernel for ``config`` ("compiled" where any candidate was), the configuration it chose and,
+    where that is a fallback decided now, why."""
     start = time.perf_counter()
+    why = ""
     if decide:
         default = get_default_kernel(program, config)
         entry, chosen = default.entry, default.config
         origin = "compiled" if any(e.origin == "compiled" for _, e in default.tried) else entry.origin
+        if default.tried:
+            why = "it spills" if default.tried[0][1].stack_frame_bytes else "its epilogue runs latency-bound there"
     else:
         entry, chosen = get_kernel(program, config), None
         origin = entry.origin
-    return origin, time.perf_counter() - start, (str(entry.path) if entry.path else None), chosen
+    return origin, time.perf_counter() - start, (str(entry.path) if entry.path else None), chosen, why
 
 
 def precompile(programs: Iterable[Program | str], configs: Iterable[KernelConfig], *, jobs: int | None = None,
@@ -117,8 +123,8 @@ def precompile_pairs(pairs: Iterable[tuple[Program, KernelConfig]], *, jobs: int
         for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
             program, config = futures[future]
             try:
-                origin, seconds, path, chosen = future.result()
-                result = PrecompileResult(program.name, config, origin, seconds, path, chosen=chosen)
+                origin, seconds, path, chosen, why = future.result()
+                result = PrecompileResult(program.name, config, origin, seconds, path, chosen=chosen, why=why)
             except Exception as exc:  # a compiler failure, or a worker that died: report it, go on
                 text = str(exc).strip()
                 first = text.splitlines()[0] if text else ""

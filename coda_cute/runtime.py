@@ -19,8 +19,9 @@ it the partials are scratch the finishing kernel reads, which each call plan kee
 the CUDA stream it made them on (``CallPlan.scratch_partials``).
 
 Tile, cluster and schedule left unset are chosen by rules measured on the library
-(``default_tile``); where the rules' kernel spills registers, a GPU call runs the first fallback
-that does not (``cache.get_default_kernel``: ptxas' stack frame, read at compile time; the
+(``default_tile``); where the rules' kernel spills registers, or is one whose epilogue runs
+latency-bound (``cache.latency_bound``), a GPU call runs the first fallback that is neither
+(``cache.get_default_kernel``: the cubin's stack frame and SASS, read at compile time; the
 decision is cached beside the kernels).  Settings the caller fixed are built as given, with a
 SpillWarning where they spill.  ``Kernel(program, autotune=True)`` times a few candidates on the
 first GPU call of each shape instead and runs the fastest (``cache.get_tuned_kernel``; the winner
@@ -120,7 +121,8 @@ class Kernel:
     def config_for(self, problem: Problem) -> KernelConfig:
         """The configuration this call needs (specializes on dtypes, majors and GPU): with tile,
         cluster and schedule as fixed, or, where none is, as the rules choose (``default_tile``),
-        which a GPU call runs unless its kernel spills (``cache.get_default_kernel``)."""
+        which a GPU call runs unless its kernel spills or runs latency-bound
+        (``cache.get_default_kernel``)."""
         a, b = problem.a, problem.b
         majors = ("k" if a.stride(1) == 1 else "m") + ("k" if b.stride(1) == 1 else "n")
         operand_dtypes = tuple(
@@ -192,8 +194,8 @@ class Kernel:
         """(the configuration calls run, its ``cache.CacheEntry``) for ``config`` from ``config_for``,
         compiled for its arch (no GPU needed) or from the cache: with ``autotune`` and the call's
         ``problem`` on the GPU, the fastest candidate there (``cache.get_tuned_kernel``); where this
-        Kernel fixes none of tile, cluster and schedule, the rules' choice unless it spills
-        (``cache.get_default_kernel``); else exactly ``config``, with a SpillWarning where it spills."""
+        Kernel fixes none of tile, cluster and schedule, the rules' choice unless it spills or runs
+        latency-bound (``cache.get_default_kernel``); else exactly ``config``, with a SpillWarning where it spills."""
         from .cache import get_default_kernel, get_kernel, get_tuned_kernel
 
         if self.autotune and problem is not None and problem.a.is_cuda:

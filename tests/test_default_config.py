@@ -14,10 +14,11 @@ import torch
 import coda_cute as cc
 from coda_cute import cache, library
 from coda_cute.arguments import bind
-from coda_cute.cache import default_candidates
+from coda_cute.cache import LATENCY_BOUND, default_candidates, latency_bound
 from coda_cute.cli import main
-from coda_cute.compile import stack_frame_bytes
+from coda_cute.compile import kernel_instructions, stack_frame_bytes
 from coda_cute.config import KernelConfig
+from coda_cute.precompile import PrecompileResult
 from coda_cute.runtime import Kernel, SpillWarning, runtime_defaults
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -60,11 +61,33 @@ def test_candidates_are_the_other_schedule_or_fewer_accumulators_in_turn():
         ((128, 256), "cooperative"), ((128, 192), "pingpong"), ((128, 128), "cooperative")]
     assert [(c.tile, c.schedule) for c in default_candidates(KernelConfig(tile=(128, 128)))] == [
         ((128, 128), "cooperative"), ((128, 192), "pingpong")]
+    # a latency-bound ping-pong 128x192 tries ping-pong 128x128 first
+    assert [(c.tile, c.schedule) for c in default_candidates(pingpong, latency=True)] == [
+        ((128, 192), "pingpong"), ((128, 128), "pingpong"), ((128, 256), "cooperative"), ((128, 128), "cooperative")]
 
 
-def test_stack_frame_bytes_needs_a_cubin():
-    assert stack_frame_bytes(None) is None and stack_frame_bytes(b"not an ELF file") is None
-    assert stack_frame_bytes(b"\x7fELF\x02\x01" + bytes(58)) is None  # no sections, so no frame sizes
+def test_only_a_long_ping_pong_128x192_kernel_is_latency_bound():
+    """More than LATENCY_BOUND's instructions per accumulator (192 per consumer thread there)."""
+    pingpong = KernelConfig(tile=(128, 192), cluster=(1, 2), schedule="pingpong")
+    limit = LATENCY_BOUND[2] * 192
+    assert latency_bound(pingpong, limit + 1) and not latency_bound(pingpong, limit)
+    assert not latency_bound(pingpong, None)  # unknown: taken as it is
+    for other in (KernelConfig(), pingpong.with_(tile=(128, 128))):
+        assert not latency_bound(other, 10 * limit)
+
+
+def test_precompile_says_why_calls_run_a_fallback():
+    asked = KernelConfig(tile=(128, 192), cluster=(1, 2), schedule="pingpong")
+    for why in ("it spills", "its epilogue runs latency-bound there"):
+        line = PrecompileResult("p", asked, "compiled", 1.0, chosen=asked.with_(tile=(128, 128)), why=why).line()
+        assert line.endswith(f"(compiled); {why}, so calls run tile 128x128 pingpong")
+    assert PrecompileResult("p", asked, "disk", 0.1, chosen=asked).line().endswith("(disk)")
+
+
+def test_stack_frame_bytes_and_instructions_need_a_cubin():
+    for read in (stack_frame_bytes, kernel_instructions):
+        assert read(None) is None and read(b"not an ELF file") is None
+        assert read(b"\x7fELF\x02\x01" + bytes(58)) is None  # no sections, so no frame sizes or code
 
 
 def test_a_spilling_default_runs_a_candidate_that_does_not_and_the_decision_is_kept(cache_dir, monkeypatch):
@@ -162,19 +185,29 @@ def test_cli_shows_the_decided_kernel_and_precompile_decides(cache_dir, tmp_path
     assert done.stdout.split("\n")[0] == "(128, 256) disk []"
 
 
-# four whose rules' choice is ping-pong 128x192 (where seed 34 spills), two cooperative 128x256
+# four whose rules' choice is ping-pong 128x192 (where seed 34 spills and seed 11's epilogue runs
+# latency-bound), two cooperative 128x256
 SAMPLE_SEEDS = (1, 5, 11, 34, 0, 3)
 SPILLING_SEEDS = {5, 34}  # so the sample shows a decision made, not only kept
+LATENCY_SEEDS = {11}  # bench_programs' random_11: 1.88x our GEMM at ping-pong 128x192, 1.04x at 128x128
 
 
 @pytest.mark.parametrize("seed", SAMPLE_SEEDS)
 def test_the_default_of_a_random_composition_never_spills_where_a_candidate_does_not(seed, cache_dir):
+    """Nor runs latency-bound where a candidate that does not spill does not."""
     program = random_program(seed)
     rules = rules_choice(program)
     default = cache.get_default_kernel(program, rules)
     frames = [entry.stack_frame_bytes for _, entry in default.tried]
-    assert all(isinstance(f, int) for f in frames), "the cubin's stack frame sizes are unreadable"
+    lengths = [entry.instructions for _, entry in default.tried]
+    assert all(isinstance(f, int) for f in frames + lengths), "the cubin's stack frame sizes or code are unreadable"
     assert (frames[0] > 0) == (seed in SPILLING_SEEDS), f"seed {seed}: update SPILLING_SEEDS"
+    slow = not frames[0] and latency_bound(rules, lengths[0])
+    assert slow == (seed in LATENCY_SEEDS), f"seed {seed}: update LATENCY_SEEDS"
     if default.entry.stack_frame_bytes:  # then every candidate spills, and each was tried
         assert default.config == rules and len(default.tried) == len(default_candidates(rules)) and all(frames)
-    assert frames[1:] == [] or frames[0] > 0, "a fallback was compiled where the rules' choice does not spill"
+    assert frames[1:] == [] or frames[0] > 0 or slow, \
+        "a fallback was compiled where the rules' choice neither spills nor runs latency-bound"
+    if slow:  # ping-pong 128x128 first, which holds a third fewer accumulators
+        assert default.tried[1][0].tile == (128, 128) and default.tried[1][0].schedule == "pingpong"
+        assert default.config == default.tried[1][0] and not frames[1]
