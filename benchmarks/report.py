@@ -44,6 +44,10 @@ INPUTS = [
      "block's coda-cute wall times spread 12 %."),
     ("results/archive/2026-12-06j-h100-d2048-mlp-block-70ca0fe.json",
      "On an H100 80GB HBM3: GPU times of a step profiled after 150 ms of steps (2a5a196). 5 rounds."),
+    ("results/archive/2026-12-06j-h100-runtime-5eea87e.json",
+     "On an H100 80GB HBM3 whose host compiles 1.77x slower than e9691e1's (our GEMM 1.36 vs 0.77 s) and whose "
+     "per-call timings were disturbed in this run (cuBLAS 21.1 us per call; 14.0 in three runs right after: "
+     "residual_sumsq 21.2 vs 14.0, `archive/2026-12-06j-h100-runtime-host-5eea87e.json`)."),
     ("results/archive/2026-12-06i-h100-runtime-e9691e1.json",
      "On an H100 80GB HBM3 whose host compiles 1.47x faster than 59000c0's (our GEMM 0.77 vs 1.13 s): after "
      "6104ba4 (cooperative kernels' subtile loop in the IR)."),
