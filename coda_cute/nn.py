@@ -158,12 +158,14 @@ def _norm_operands(h: torch.Tensor, sumsq, gamma: torch.Tensor, w: torch.Tensor,
     - ``scaled``, h * gamma as the residual GEMM that made h stored it (`residual_sumsq_scaled`):
       a = scaled, nothing to compute;
     - no statistics (``sumsq`` None: no GEMM made h): one pass over h (`rms_statistics`) gives
-      rstd and h * gamma together, where that costs less than scaling the weight (the pass reads
-      h anyway, so it adds one write of h: cheaper while tokens < 2 x the weight's rows);
+      rstd and h * gamma together, where that costs no more than scaling the weight (the pass
+      reads h anyway, so it adds one write of h: no more traffic while tokens <= 2 x the weight's
+      rows, and at equal traffic one kernel beats the weight's five: the d = 2048 block's QKV, at
+      exactly 2 x, took 0.053 ms of GPU time that way against the pass's 0.022 on an H100);
     - else into the smaller operand, h * gamma or w * gamma (one elementwise kernel each)."""
     if scaled is not None:
         return scaled, w, _rstd(h, sumsq, eps)
-    if sumsq is None and h.shape[0] < 2 * w.shape[0]:
+    if sumsq is None and h.shape[0] <= 2 * w.shape[0]:
         rstd, scaled = one_pass(rms_statistics, h)(h, gamma, eps)
         return scaled, w, rstd
     rstd = _rstd(h, sumsq, eps)

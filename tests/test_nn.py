@@ -304,12 +304,12 @@ def test_linear_cross_entropy_compiles_with_fullgraph(save_logits, gen):
     torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("tokens", [6, 30, 50])
+@pytest.mark.parametrize("tokens", [6, 30, 48, 50])
 @pytest.mark.parametrize("given", ["sumsq", "nothing", "scaled"])
 def test_gamma_goes_into_one_operand_and_rstd_into_the_epilogue(tokens, given, gen):
     """(h * gamma) @ w.T * rstd = rmsnorm(h) * gamma @ w.T on every route: the residual GEMM's
     h * gamma taken as it is; without statistics, one pass making rstd and h * gamma while there
-    are fewer tokens than twice the weight's rows (24 here), else the weight scaled; with
+    are no more tokens than twice the weight's rows (24 here), else the weight scaled; with
     statistics, the smaller operand scaled."""
     from coda_cute.nn import _norm_operands
 
@@ -319,7 +319,7 @@ def test_gamma_goes_into_one_operand_and_rstd_into_the_epilogue(tokens, given, g
     sumsq = h.square().sum(-1) if given != "nothing" else None
     scaled = h * gamma if given == "scaled" else None
     a, b, rstd = _norm_operands(h, sumsq, gamma, w, 1e-6, scaled)
-    weight_scaled = tokens >= (24 if given == "sumsq" else 48) and given != "scaled"
+    weight_scaled = (tokens >= 24 if given == "sumsq" else tokens > 48) and given != "scaled"
     assert (a is h) == weight_scaled and (b is w) == (not weight_scaled), "gamma must scale exactly one operand"
     assert given != "scaled" or a is scaled
     want = (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + 1e-6) * gamma) @ w.t()
