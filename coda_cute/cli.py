@@ -268,7 +268,7 @@ def cmd_inspect(args) -> int:
         compiled = compile_source(source, program, config, keep=kept, dump_dir=dump if kept else None,
                                   source_dir=Path(tmp) / "src", report="regs" in wanted)
         _out(f"# {program.name}: {config.describe()}; compiled in {compiled.compile_seconds:.2f} s")
-        from .cache import default_candidates, latency_bound  # (a large problem's rules' choice has fallbacks)
+        from .cache import default_candidates, latency_bound
 
         long_epilogue = not compiled.stack_frame_bytes and latency_bound(config, compiled.instructions)
         if _default_path(args) and not decided and (compiled.stack_frame_bytes or long_epilogue):
