@@ -409,6 +409,15 @@ def latency_bound(config: KernelConfig, instructions: int | None) -> bool:
             and instructions > limit * _accumulators(config))
 
 
+def rejection(config: KernelConfig, stack_frame_bytes: int | None, instructions: int | None) -> str | None:
+    """Why a kernel of ``config`` with that stack frame and SASS length (None: unknown) is not run
+    as a default: "spills", "latency-bound" (``latency_bound``, checked only where it does not
+    spill), or None where nothing speaks against it."""
+    if stack_frame_bytes:
+        return "spills"
+    return "latency-bound" if latency_bound(config, instructions) else None
+
+
 def default_candidates(config: KernelConfig, latency: bool = False) -> list[KernelConfig]:
     """``config`` (the runtime's choice for a call that fixed none of tile, cluster and schedule),
     then the SPILL_FALLBACKS of another schedule, or of its own holding fewer fp32 accumulators
@@ -458,18 +467,18 @@ def get_default_kernel(program: Program, config: KernelConfig) -> DefaultKernel:
             return DefaultKernel(chosen, get_kernel(program, chosen), [])
         first = get_kernel(program, config)
         # (where it spills as well, the fallbacks for spills, in their measured order)
-        latency = not first.stack_frame_bytes and latency_bound(config, first.instructions)
+        latency = rejection(config, first.stack_frame_bytes, first.instructions) == "latency-bound"
         tried = []
         for candidate in default_candidates(config, latency):
             if tried and not _lowers(program, candidate):
                 continue  # a fallback's tile may not fit a segment, or its rings the shared memory
             entry = first if candidate is config else get_kernel(program, candidate)
             tried.append((candidate, entry))
-            if not entry.stack_frame_bytes and not latency_bound(candidate, entry.instructions):
+            if rejection(candidate, entry.stack_frame_bytes, entry.instructions) is None:
+                chosen = candidate
                 break
-        good = [(c, e) for c, e in tried if not e.stack_frame_bytes and not latency_bound(c, e.instructions)]
-        spill_free = [(c, e) for c, e in tried if not e.stack_frame_bytes]
-        chosen, entry = (good or spill_free or tried)[0]
+        else:  # none without a reason against it: the first that does not spill, else the rules' choice
+            chosen, entry = next(((c, e) for c, e in tried if not e.stack_frame_bytes), tried[0])
         _DEFAULTS[key] = chosen
         _write_default(program, config, key, chosen, tried)
     return DefaultKernel(chosen, entry, tried)

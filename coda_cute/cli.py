@@ -268,15 +268,14 @@ def cmd_inspect(args) -> int:
         compiled = compile_source(source, program, config, keep=kept, dump_dir=dump if kept else None,
                                   source_dir=Path(tmp) / "src", report="regs" in wanted)
         _out(f"# {program.name}: {config.describe()}; compiled in {compiled.compile_seconds:.2f} s")
-        from .cache import default_candidates, latency_bound
+        from .cache import default_candidates, rejection
 
-        long_epilogue = not compiled.stack_frame_bytes and latency_bound(config, compiled.instructions)
-        if _default_path(args) and not decided and (compiled.stack_frame_bytes or long_epilogue):
+        reason = rejection(config, compiled.stack_frame_bytes, compiled.instructions)
+        if _default_path(args) and not decided and reason:
             fallbacks = ", then ".join(f"{c.schedule} {c.tile[0]}x{c.tile[1]}"
-                                       for c in default_candidates(config, long_epilogue)[1:])
-            why = (f"it spills ({compiled.stack_frame_bytes} bytes of stack frame per thread)"
-                   if compiled.stack_frame_bytes else
-                   f"its epilogue runs latency-bound at this tile ({compiled.instructions} SASS instructions)")
+                                       for c in default_candidates(config, reason == "latency-bound")[1:])
+            why = (f"it spills ({compiled.stack_frame_bytes} bytes of stack frame per thread)" if reason == "spills"
+                   else f"its epilogue runs latency-bound at this tile ({compiled.instructions} SASS instructions)")
             _out(f"# {why} and no default is decided for it yet: a call tries {fallbacks} and runs the first "
                  "that neither spills nor runs latency-bound (`coda-cute precompile` decides it ahead of time)")
         if "source" in wanted:
