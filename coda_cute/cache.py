@@ -409,6 +409,10 @@ def latency_bound(config: KernelConfig, instructions: int | None) -> bool:
             and instructions > limit * _accumulators(config))
 
 
+#: each ``rejection`` in words, as `precompile` and `inspect` tell it
+REASONS = {"spills": "it spills", "latency-bound": "its epilogue runs latency-bound there"}
+
+
 def rejection(config: KernelConfig, stack_frame_bytes: int | None, instructions: int | None) -> str | None:
     """Why a kernel of ``config`` with that stack frame and SASS length (None: unknown) is not run
     as a default: "spills", "latency-bound" (``latency_bound``, checked only where it does not

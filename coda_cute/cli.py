@@ -268,14 +268,15 @@ def cmd_inspect(args) -> int:
         compiled = compile_source(source, program, config, keep=kept, dump_dir=dump if kept else None,
                                   source_dir=Path(tmp) / "src", report="regs" in wanted)
         _out(f"# {program.name}: {config.describe()}; compiled in {compiled.compile_seconds:.2f} s")
-        from .cache import default_candidates, rejection
+        from .cache import REASONS, default_candidates, rejection
 
         reason = rejection(config, compiled.stack_frame_bytes, compiled.instructions)
         if _default_path(args) and not decided and reason:
             fallbacks = ", then ".join(f"{c.schedule} {c.tile[0]}x{c.tile[1]}"
                                        for c in default_candidates(config, reason == "latency-bound")[1:])
-            why = (f"it spills ({compiled.stack_frame_bytes} bytes of stack frame per thread)" if reason == "spills"
-                   else f"its epilogue runs latency-bound at this tile ({compiled.instructions} SASS instructions)")
+            detail = (f"{compiled.stack_frame_bytes} bytes of stack frame per thread" if reason == "spills"
+                      else f"{compiled.instructions} SASS instructions")
+            why = f"{REASONS[reason]} ({detail})"
             _out(f"# {why} and no default is decided for it yet: a call tries {fallbacks} and runs the first "
                  "that neither spills nor runs latency-bound (`coda-cute precompile` decides it ahead of time)")
         if "source" in wanted:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from . import library
-from .cache import cache_key, get_default_kernel, get_kernel, rejection, short_config
+from .cache import REASONS, cache_key, get_default_kernel, get_kernel, rejection, short_config
 from .config import KernelConfig, parse_operand_dtypes
 from .errors import UnsupportedError
 from .lower import lower
@@ -69,8 +69,7 @@ def _compile_one(program: Program, config: KernelConfig,
         origin = "compiled" if any(e.origin == "compiled" for _, e in default.tried) else entry.origin
         if default.tried:  # decided now: why the rules' choice (tried first) is not run
             asked, first = default.tried[0]
-            why = {"spills": "it spills", "latency-bound": "its epilogue runs latency-bound there",
-                   None: ""}[rejection(asked, first.stack_frame_bytes, first.instructions)]
+            why = REASONS.get(rejection(asked, first.stack_frame_bytes, first.instructions), "")
     else:
         entry, chosen = get_kernel(program, config), None
         origin = entry.origin
