@@ -116,7 +116,7 @@ def fake_arguments(program: Program, config: KernelConfig) -> list:
             return {"M": m, "N": n, "K": k}[dim]
         if isinstance(dim, int):
             return dim
-        return periods[arg.of] if dim == "P" and arg.of in periods else cute.sym_int()  # TILES, R, P
+        return periods[arg.of] if dim == "P" and arg.of in periods else cute.sym_int()  # TILES, BLOCKS, R, P
 
     args = []
     for arg in host_arguments(program, config):
@@ -132,7 +132,7 @@ def fake_arguments(program: Program, config: KernelConfig) -> list:
                                          assumed_align=4))
         elif arg.role == "partials":
             args.append(matrix("f32", *shape, align=4))
-        elif len(shape) == 1:  # finished values, row and column vectors
+        elif len(shape) == 1:  # finished values, arrival counters, row and column vectors
             args.append(make_fake_tensor(dtype(arg.dtype), tuple(shape), (1,), assumed_align=DTYPE_BYTES[arg.dtype]))
         else:  # TMA reads a ring's operand: 16-byte aligned rows and base
             ring = OPERAND_KINDS[program.operand(arg.of).kind].staging == "ring"
@@ -242,9 +242,9 @@ def stack_frame_bytes(cubin: bytes | None) -> int | None:
 
 
 def kernel_instructions(cubin: bytes | None) -> int | None:
-    """SASS instructions in the largest function of ``cubin`` (the GEMM kernel: the finishing
-    kernel is far smaller), from its ``.text`` section's size (16 bytes an instruction on sm_90
-    and sm_100); None if it has none, or is not a 64-bit little-endian ELF file."""
+    """SASS instructions in the largest function of ``cubin`` (the GEMM kernel), from its
+    ``.text`` section's size (16 bytes an instruction on sm_90 and sm_100); None if it has none,
+    or is not a 64-bit little-endian ELF file."""
     sizes = [size for name, _, size in _elf_sections(cubin) or [] if name.startswith(b".text.")]
     return max(sizes) // 16 if sizes else None
 

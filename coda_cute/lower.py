@@ -62,8 +62,17 @@ class Context:
     subtile_compute_end: list = field(default_factory=list)
     subtile_epilogue: list = field(default_factory=list)
     tile_epilogue: list = field(default_factory=list)
+    # reductions' arrival counts and folds (_finish): before the tile loop, at a tile's start, at its
+    # end, after the loop
+    finish_init: list = field(default_factory=list)
+    finish_start: list = field(default_factory=list)
+    finish_decide: list = field(default_factory=list)  # at the end of the first subtile
+    finish_end: list = field(default_factory=list)
+    finish_tail: list = field(default_factory=list)
+    finish_axes: list = field(default_factory=list)  # 'row', 'col': which counters the program's reductions use
     col_reductions: list = field(default_factory=list)
-    finishes: list = field(default_factory=list)  # reductions whose partials the finishing kernel combines
+    finishes: list = field(default_factory=list)  # reductions, their partials folded by the last tile in (finish.py.j2)
+    finish_epilogues: int = 0  # epilogues a CTA runs at once, each with its finish_state words
     col_scratch_elems: int = 0
     segments: list = field(default_factory=list)  # registers of segment reductions
     subtile_segments: list = field(default_factory=list)  # segment reductions run at a segment's first subtile
@@ -92,6 +101,7 @@ class Context:
         coordinates (``tCcAcc``, ``row0``, ``col0``) and the view helpers only where used."""
         lines = (self.body + self.tile_prologue + self.subtile_segments + self.subtile_prologue + self.subtile_compute_end
                  + self.subtile_epilogue + self.tile_epilogue + self.table_gather()
+                 + self.finish_init + self.finish_start + self.finish_decide + self.finish_end + self.finish_tail
                  + [str(x) for x in self.vectors + self.views])
         return _refers_to(lines, name)
 
@@ -134,9 +144,68 @@ def lower(program: Program, config: KernelConfig) -> Context:
         **target.schedule(config),
     )
     _Body(ctx, program, config).emit_all()
+    _finish(ctx, config)
     names = ["a (M, K)", "b (N, K)"] + [p["doc"] for p in ctx.host_params] + ["stream"]
     ctx.call_signature = ", ".join(names)
     return ctx
+
+
+def _finish(ctx: Context, config: KernelConfig) -> None:
+    """Reductions are finished in the kernel: each tile whose partials are written counts itself
+    in (``arrivals``: a counter per row of tiles, then one per column of tiles), and the last tile
+    of a row (column) folds that row's (column's) partials (finish.py.j2).  One tile behind, so
+    that no thread waits on the memory system: a tile is counted in at the start of the next
+    tile's epilogue, when its partials have long been written (the release fence has nothing to
+    wait for), and learns whether it was the last after that epilogue's first subtile (the
+    count has come back meanwhile); a tile that was the last folds at the epilogue's end, where
+    the accumulators are no longer needed, so the fold takes registers from no one.  What one tile tells the next sits in smem (``finish_state``), not in
+    registers; the last tile is settled after the tile loop."""
+    if not ctx.finishes:
+        return
+    ctx.finish_axes = [axis for axis in ("row", "col") if any(f["axis"] == axis for f in ctx.finishes)]
+    slot = backend(config.arch).epilogue_slot(config)[1]
+    state = lambda word: f"finish_state[({word}, {slot})]"  # noqa: E731
+    flag, counted_m, counted_n, written_m, written_n = (state(w) for w in range(5))
+    partials = ", ".join(f"{f['part']}, {f['out']}" for f in ctx.finishes)
+    ctx.finish_init = [
+        "# reductions, one tile behind (finish.py.j2): the counts of the tile counted in at this",
+        "# tile's start; in finish_state: that tile, and this one once it has written its partials",
+        "counted_rows, counted_cols = cutlass.Int32(0), cutlass.Int32(0)",
+        "if ctidx == COUNTING_THREAD:",
+        f"    {written_m} = -1  # none yet"]
+    ctx.finish_start = [
+        "# reductions: count in the last tile",
+        "epilogue_barrier.arrive_and_wait()  # its partials are all written",
+        "if ctidx == COUNTING_THREAD:",
+        f"    {counted_m}, {counted_n} = {written_m}, {written_n}",
+        f"    if {written_m} >= 0:",
+        f"        counted_rows, counted_cols = self.count_in(arrivals, {written_m}, {written_n}, M)"]
+    ctx.finish_decide = [
+        "# reductions: was the tile counted in at this tile's start the last of its row (column)",
+        "# of tiles?  (Asked here, a subtile on: its count has come back, and holds a register no longer)",
+        "if ctidx == COUNTING_THREAD:",
+        f"    {flag} = 0",
+        f"    if {counted_m} >= 0:",
+        f"        {flag} = self.last_of(arrivals, {counted_m}, {counted_n}, counted_rows, counted_cols, M, N)",
+        f"    {written_m}, {written_n} = -1, -1",
+        "    if row0 < M and col0 < N:  # a cluster may own a tile past M or N: it writes no partials",
+        f"        {written_m}, {written_n} = tile_m, tile_n"]
+    ctx.finish_end = [
+        "# reductions: where the tile counted in at this tile's start was the last, fold its row (column)",
+        "epilogue_barrier.arrive_and_wait()",
+        f"if {flag} != 0:",
+        f"    self.finish({flag}, {counted_m}, {counted_n}, ctidx, {partials})"]
+    ctx.finish_tail = [
+        "# reductions: count in the last tile, and where it is the last of its row (column), fold",
+        "epilogue_barrier.arrive_and_wait()  # its partials are all written",
+        "if ctidx == COUNTING_THREAD:",
+        f"    {flag} = 0",
+        f"    if {written_m} >= 0:",
+        f"        rows, cols = self.count_in(arrivals, {written_m}, {written_n}, M)",
+        f"        {flag} = self.last_of(arrivals, {written_m}, {written_n}, rows, cols, M, N)",
+        "epilogue_barrier.arrive_and_wait()",
+        f"if {flag} != 0:",
+        f"    self.finish({flag}, {written_m}, {written_n}, ctidx, {partials})"]
 
 
 # ----------------------------------------------------------------------------- checks
@@ -218,18 +287,22 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
         shape = f"({lead}ceil(N / TILE_N), M)" if out.axis == "row" else f"({lead}ceil(M / TILE_M), N)"
         part, final = f"part_{out.name}", f"out_{out.name}"
         result = "(M,)" if out.axis == "row" else "(N,)"
-        ctx.kernel_params.append(part)
-        ctx.kernel_param_decls.append(f"{part}: cute.Tensor")
-        # the finishing kernel's helper and its fold over the tiles: sums of squares add as sums do
+        ctx.kernel_params += [part, final]
+        ctx.kernel_param_decls += [f"{part}: cute.Tensor", f"{final}: cute.Tensor"]
+        # the helper that folds the partials over the tiles: sums of squares add as sums do
         fold = dict(helper="finish_" + {"sumsq": "sum"}.get(out.reduce, out.reduce))
-        if out.reduce != "logsumexp":
+        if out.reduce == "logsumexp":
+            ctx.helpers.add("where")  # an empty row's log-sum-exp
+        else:
             fold.update(identity=IDENTITY[out.reduce], fold=combine(out.reduce, "total", "%s"))
-        ctx.helpers.add("where")  # the finishing kernel masks the tiles past the last
-        ctx.finishes.append(dict(name=out.name, kind=out.reduce, part=part, out=final, shape=shape, **fold,
-                                 label=f"{out.axis}_{out.reduce}({out.node.describe()})",
-                                 length="mA.shape[0]" if out.axis == "row" else "mB.shape[0]", result=result))
+        ctx.finishes.append(dict(name=out.name, kind=out.reduce, axis=out.axis, part=part, out=final, shape=shape,
+                                 **fold, label=f"{out.axis}_{out.reduce}({out.node.describe()})", result=result))
         if out.axis == "col":
             ctx.col_reductions.append(out.name)
+    if program.reductions:
+        ctx.kernel_params.append("arrivals")
+        ctx.kernel_param_decls.append("arrivals: cute.Tensor")
+        ctx.finish_epilogues = backend(config.arch).epilogue_slot(config)[0]
     for op in program.operands:
         name = f"in_{op.name}"
         unread = "" if op.name in read else " (not read by the program)"  # taken, never loaded

@@ -15,8 +15,9 @@ kernel cannot take is rejected with an ArgumentError, never silently computed an
 Outputs are allocated unless passed in ``out={name: tensor}``: written in place and returned
 as given (views into larger buffers are fine: only the row stride must be 16-byte aligned).
 Reductions come back finished; ``return_partials=True`` adds the per-tile partials.  Without
-it the partials are scratch the finishing kernel reads, which each call plan keeps and reuses on
-the CUDA stream it made them on (``CallPlan.scratch_partials``).
+it the partials are scratch that the kernel folds (the last tile of each row or column of tiles
+does), which each call plan keeps and reuses on the CUDA stream it made them on, with the
+kernel's arrival counters (``CallPlan.scratch``).
 
 Tile, cluster and schedule left unset are chosen by rules measured on the library
 (``default_tile``); where the rules' kernel spills registers, or is one whose epilogue runs
@@ -278,12 +279,13 @@ class CallPlan:
     device: torch.device
     outputs: list  # (name, cols, dtype)
     partials: list  # (name, shape)
+    blocks: int  # arrival counters: the tile rows and tile columns (0 without reductions)
     operands: list  # (name, shape its tensor is viewed as; None: a value, checked every call, op)
     reductions: list  # (name, whether the finished values take the caller's batch shape)
 
     def __post_init__(self):
         self.launch = Launch("kernel", self.config, self.key)  # what Kernel.last says after each call
-        self._scratch: tuple[int, dict] | None = None  # (CUDA stream, partials) for scratch_partials
+        self._scratch: tuple | None = None  # (CUDA stream, partials, arrivals): see scratch
 
     @classmethod
     def build(cls, program: Program, problem: Problem, config: KernelConfig, function, key) -> "CallPlan":
@@ -294,30 +296,36 @@ class CallPlan:
         outputs = [(arg.of, arg.shape(m, n, k, tile)[1], TORCH_DTYPES[arg.dtype])
                    for arg in arguments if arg.role == "output"]
         partials = [(arg.of, arg.shape(m, n, k, tile)) for arg in arguments if arg.role == "partials"]
+        blocks = sum(arg.shape(m, n, k, tile)[0] for arg in arguments if arg.role == "arrivals")
         operands = [(op.name, tuple(problem.operands[op.name].shape) if op.is_tensor else None, op)
                     for op in program.operands]
         reductions = [(o.name, o.axis == "row" and len(problem.batch_shape) != 1) for o in program.reductions]
         return cls(program, config, function, key, problem.m, problem.k, problem.batch_shape, problem.a.device,
-                   outputs, partials, operands, reductions)
+                   outputs, partials, blocks, operands, reductions)
 
     def new_partials(self) -> dict:
         return {name: torch.empty(shape, dtype=torch.float32, device=self.device) for name, shape in self.partials}
 
-    def scratch_partials(self) -> dict:
-        """Partials for a call that does not return them: the plan's own, made once and reused by
-        every call on the CUDA stream that made them (one allocation less per call: 2-3 us of host
-        time).  Stream order makes that safe: a call's finishing kernel has read them before the
-        next call's GEMM writes them.  Calls on any other stream, and calls captured into a CUDA
-        graph (replayed on whichever stream), get fresh ones."""
-        if not self.partials or self.device.type != "cuda":
-            return self.new_partials()
+    def new_arrivals(self) -> torch.Tensor:
+        return torch.zeros(self.blocks, dtype=torch.int32, device=self.device)
+
+    def scratch(self) -> tuple[dict, torch.Tensor]:
+        """(partials, arrival counters) for a call: the plan's own, made once and reused by every
+        call on the CUDA stream that made them (two allocations and a memset less per call).
+        Stream order makes that safe: a call's kernel has folded the partials, and set the
+        counters back to zero, before the next call's kernel starts.  Calls on any other stream,
+        and calls captured into a CUDA graph (replayed on whichever stream), get fresh ones."""
+        if self.device.type != "cuda":
+            return self.new_partials(), self.new_arrivals()
         # the raw handle, as Inductor's generated code reads it: torch.cuda.current_stream() costs 4 us
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         if torch.cuda.is_current_stream_capturing():
-            return self.new_partials()
+            return self.new_partials(), self.new_arrivals()
         if self._scratch is None:
-            self._scratch = (stream, self.new_partials())
-        return self._scratch[1] if self._scratch[0] == stream else self.new_partials()
+            self._scratch = (stream, self.new_partials(), self.new_arrivals())
+        if self._scratch[0] != stream:
+            return self.new_partials(), self.new_arrivals()
+        return self._scratch[1], self._scratch[2]
 
     def run(self, a, b, operands: dict, out: dict | None, return_partials: bool, problem: Problem | None = None):
         # the warm path: everything shape-dependent was decided in build(); reshapes only where
@@ -333,11 +341,15 @@ class CallPlan:
                 if len(self.batch_shape) != 1:
                     results[name] = t.view(*self.batch_shape, cols)
             args.append(t)
-        partials = self.new_partials() if return_partials else self.scratch_partials()
-        finished = {}
-        for name, shape in self.partials:  # the kernel writes the partials and finishes them
-            finished[name] = torch.empty(shape[-1], dtype=torch.float32, device=self.device)
-            args += [partials[name], finished[name]]
+        partials, finished = {}, {}
+        if self.partials:  # the kernel writes the partials and finishes them
+            partials, arrivals = self.scratch()
+            if return_partials:
+                partials = self.new_partials()
+            for name, shape in self.partials:
+                finished[name] = torch.empty(shape[-1], dtype=torch.float32, device=self.device)
+                args += [partials[name], finished[name]]
+            args.append(arrivals)
         for name, shape, op in self.operands:
             value = operands[name]
             if shape is None:  # a value, not part of the signature: checked every call

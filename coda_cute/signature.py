@@ -2,13 +2,16 @@
 
 The GEMM is ``acc = A @ B.T``.  The host function takes, in this order: ``a`` (M, K) and ``b``
 (N, K); each tile output ``out_<name>`` (M, cols); per reduction its per-tile partials
-``part_<name>`` and its finished values ``out_<name>``; each operand ``in_<name>`` (a tensor
-of its kind's dims, or a float for a Scalar); then the CUDA stream (not listed here).
+``part_<name>`` and its finished values ``out_<name>``; where there are reductions,
+``arrivals``, a counter per tile row and per tile column (how many tiles have written their
+partials: the last folds them, and sets the counter back to 0); each operand ``in_<name>`` (a
+tensor of its kind's dims, or a float for a Scalar); then the CUDA stream (not listed here).
 
 Extents are symbols until a call makes them numbers (``Argument.shape``): ``M``, ``N``, ``K``;
 a ``Fraction`` w, the columns of a value w * N wide; ``TILES``, the CTA tiles a reduction's
 partials run over (along N for a row reduction, along M for a column one); ``2`` (a log-sum-
-exp's running max and sum); and an operand kind's free extents (``R``, ``P``, any size; ``P``
+exp's running max and sum); ``BLOCKS``, the tile rows plus the tile columns; and an operand
+kind's free extents (``R``, ``P``, any size; ``P``
 baked in where the configuration stages a table).  Everyone who builds or passes the arguments
 reads this one list: the lowering (the host function's parameters and their docs), compile
 (fake arguments), the runtime's call plan (what a call allocates and in which order it passes
@@ -25,12 +28,13 @@ from .primitives import OPERAND_KINDS, width_str
 from .program import Output, Program
 
 TILES = "TILES"  # the symbol of a partials tensor's tile count
+BLOCKS = "BLOCKS"  # the symbol of the arrival counters' count: ceil(M / TILE_M) + ceil(N / TILE_N)
 
 
 @dataclass(frozen=True)
 class Argument:
     """One host argument.  ``role``: 'a', 'b', 'output' (a tile output), 'partials', 'result'
-    (a reduction's finished values), 'operand' or 'scalar'; ``of``: the program output or operand
+    (a reduction's finished values), 'arrivals' (the reductions' counters), 'operand' or 'scalar'; ``of``: the program output or operand
     it belongs to; ``dtype``: its storage ('bf16', 'f16', 'f32', 'i32'); ``dims``: its extents
     as symbols (module docstring)."""
 
@@ -54,6 +58,8 @@ class Argument:
                 return n * dim.numerator // dim.denominator
             if dim == TILES:
                 return -(-n // tile[1]) if along_n else -(-m // tile[0])
+            if dim == BLOCKS:
+                return -(-m // tile[0]) + -(-n // tile[1])
             if dim in ("M", "N", "K"):
                 return {"M": m, "N": n, "K": k}[dim]
             return dim if isinstance(dim, int) else (free or {})[dim]
@@ -67,6 +73,8 @@ class Argument:
             lead = "2, " if self.dims[0] == 2 else ""
             spread = "ceil(N / TILE_N), M" if self.dims[-1] == "M" else "ceil(M / TILE_M), N"
             return f"{self.name} ({lead}{spread}) f32 partials"
+        if self.role == "arrivals":
+            return f"{self.name} (ceil(M / TILE_M) + ceil(N / TILE_N),) i32, zeros (the kernel leaves them zero)"
         words = [width_str(d) if isinstance(d, Fraction) else str(d) for d in self.dims]
         if self.role == "result":
             words = ["N"] if words != ["M"] else words  # a column result is N long in words
@@ -100,6 +108,8 @@ def host_arguments(program: Program, config: KernelConfig) -> tuple[Argument, ..
         partials, result = reduction_dims(out)
         args.append(Argument(f"part_{out.name}", "partials", out.name, "f32", partials))
         args.append(Argument(f"out_{out.name}", "result", out.name, "f32", result))
+    if program.reductions:
+        args.append(Argument("arrivals", "arrivals", None, "i32", (BLOCKS,)))
     for op in program.operands:
         kind = OPERAND_KINDS[op.kind]
         if not kind.is_tensor:

@@ -317,10 +317,10 @@ def many_reductions(acc, bias: cc.ColVec):
 
 
 @pytest.mark.parametrize("shape", [(4229, 8456, 64), (100, 200, 32)], ids=["34x34_tiles", "one_tile"])
-def test_finishing_kernel_over_many_tiles_and_one(shape):
-    """The finishing kernel folds the partials of every kind over 34 tiles (more than the 32 its
-    CTA folds per round, so the round loop repeats and masks tiles past the last) and over a
-    single tile; its values are the same bits on every call."""
+def test_last_tile_folds_over_many_tiles_and_one(shape):
+    """The last tile of each row (column) of tiles folds the partials of every kind over 34 tiles
+    (the fold's loop of four loads at a time runs past its last full round) and over a single
+    tile; its values are the same bits on every call, and the arrival counters are back to zero."""
     program = cc.epilogue(many_reductions)
     run_and_compare(program, *shape)
     gen = torch.Generator().manual_seed(17)
@@ -330,6 +330,8 @@ def test_finishing_kernel_over_many_tiles_and_one(shape):
     again = kernel(a, b, **ops)
     for out in program.reductions:
         assert torch.equal(first[out.name], again[out.name]), f"{out.name}: not the same bits on a second call"
+    (plan,) = kernel._plans.values()
+    assert not plan.scratch()[1].any(), "a kernel left its arrival counters set"
 
 
 def test_names_that_extend_others_stay_apart():
@@ -358,7 +360,8 @@ def test_cuda_graph_capture_of_a_warm_kernel_and_refusal_when_cold():
     graph.replay()
     torch.cuda.synchronize()
     assert_close("D (graph replay)", captured, cc.evaluate(program, a, b, ops).outputs["D"], *TOLERANCE[torch.bfloat16])
-    # a program with reductions: the finishing kernel's programmatic dependent launch is captured too
+    # a program with reductions: its arrival counters are made (zeroed) in the graph, and each
+    # replay leaves them zero for the next
     program = library.get("residual_sumsq")
     a, b, ops = make_inputs(program, 300, 528, 200, torch.bfloat16, gen)
     warm = Kernel(program)
@@ -373,6 +376,11 @@ def test_cuda_graph_capture_of_a_warm_kernel_and_refusal_when_cold():
     ref = cc.evaluate(program, a, b, ops).outputs
     assert_close("D (graph replay)", captured["D"], ref["D"], *TOLERANCE[torch.bfloat16])
     assert_close("sumsq (graph replay)", captured["sumsq"], ref["sumsq"], *REDUCTION_TOLERANCE)
+    a.copy_(torch.randn(a.shape, generator=gen).to(a))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = cc.evaluate(program, a, b, ops).outputs
+    assert_close("sumsq (second replay)", captured["sumsq"], ref["sumsq"], *REDUCTION_TOLERANCE)
     cold = Kernel(program)
     with pytest.raises(cc.ArgumentError, match="CUDA graph capture"):
         with torch.cuda.stream(stream):
@@ -381,22 +389,22 @@ def test_cuda_graph_capture_of_a_warm_kernel_and_refusal_when_cold():
 
 
 def test_calls_share_their_plans_partials_on_its_stream_only():
-    """Calls that do not return the partials share their plan's (CallPlan.scratch_partials) on the
-    stream that made them: calls queued back to back on other inputs each finish their own values.
-    A call on another stream, running beside them, and partials returned to the caller are their
-    own tensors."""
+    """Calls that do not return the partials share their plan's partials and arrival counters
+    (CallPlan.scratch) on the stream that made them: calls queued back to back on other inputs each
+    finish their own values, and leave the counters zero.  A call on another stream, running beside
+    them, and partials returned to the caller are their own tensors."""
     program = library.get("residual_sumsq")
     gen = torch.Generator().manual_seed(29)
     inputs = [make_inputs(program, 300, 528, 200, torch.bfloat16, gen) for _ in range(3)]
     kernel = Kernel(program)
     results = [kernel(a, b, **ops) for a, b, ops in inputs]  # no synchronization in between
     (plan,) = kernel._plans.values()
-    scratch = plan.scratch_partials()
-    assert plan.scratch_partials() is scratch
+    scratch, arrivals = plan.scratch()
+    assert plan.scratch()[0] is scratch and plan.scratch()[1] is arrivals
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        assert plan.scratch_partials() is not scratch
+        assert plan.scratch()[0] is not scratch and plan.scratch()[1] is not arrivals
         beside = kernel(inputs[1][0], inputs[1][1], **inputs[1][2])
         returned, parts = kernel(inputs[2][0], inputs[2][1], return_partials=True, **inputs[2][2])
     torch.cuda.current_stream().wait_stream(side)
@@ -405,6 +413,7 @@ def test_calls_share_their_plans_partials_on_its_stream_only():
     torch.cuda.synchronize()
     assert kernel.launches == 6 and all(p.data_ptr() != scratch["sumsq"].data_ptr() for p in parts.values())
     assert torch.equal(parts["sumsq"], kept), "partials returned to the caller were written by a later call"
+    assert not arrivals.any(), "a kernel left its arrival counters set"
     for (a, b, ops), got in zip(inputs + inputs[1:], results + [beside, returned]):
         assert_close("sumsq", got["sumsq"], cc.evaluate(program, a, b, ops).outputs["sumsq"], *REDUCTION_TOLERANCE)
 

@@ -26,6 +26,8 @@ def _stand_in(program, tile):
         rest = list(args[2:])
         outs = [rest.pop(0) for _ in program.tile_outputs]
         reductions = [(rest.pop(0), rest.pop(0)) for _ in program.reductions]  # (partials, finished)
+        if program.reductions:
+            assert rest.pop(0).dtype == torch.int32  # the arrival counters
         operands = {op.name: rest.pop(0) for op in program.operands}
         ref = reference.evaluate(program, a, b, operands, tile=tile)
         for o, t in zip(program.tile_outputs, outs):
@@ -46,7 +48,8 @@ def test_plan_passes_the_host_functions_arguments_and_finishes_reductions():
     launch, calls = _stand_in(program, config.tile)
     plan = CallPlan.build(program, bind(program, a, b, {"residual": residual}), config, launch, "key")
     outputs = plan.run(a, b, {"residual": residual}, None, return_partials=False)
-    assert calls == [[(300, 64), (272, 64), (300, 272), (2, 300), (300,), (300, 272)]]
+    # the arrival counters: 3 tile rows and 2 tile columns
+    assert calls == [[(300, 64), (272, 64), (300, 272), (2, 300), (300,), (5,), (300, 272)]]
     want = cc.evaluate(program, a, b, {"residual": residual})
     assert outputs["D"].shape == (2, 150, 272) and outputs["sumsq"].shape == (2, 150)
     torch.testing.assert_close(outputs["D"], want.outputs["D"], rtol=0, atol=0)

@@ -2,8 +2,9 @@
 machine at both 1-CTA tiles and at the 2-CTA 256x128 tile, and a sample covering every
 primitive at the other tile and cluster shapes, with the SASS of the kernel we meant to build
 (tcgen05 MMAs, 2-CTA exactly where a CTA pair shares the MMA, multicast TMA loads exactly where
-a 1-CTA cluster shares A or B, TMEM loads, TMA loads and stores, no WGMMA, no spills, a
-finishing kernel exactly where it reduces, shuffles exactly where it reduces columns); what
+a 1-CTA cluster shares A or B, TMEM loads, TMA loads and stores, no WGMMA, no spills, one
+kernel, counting its tiles in with global atomics exactly where it reduces, shuffles exactly
+where it reduces columns); what
 sm_100a does not build (other tiles and clusters, ping-pong) is refused with an
 UnsupportedError naming sm_100a and what it lacks.  These kernels are compile-verified only:
 none has run on a Blackwell GPU."""
@@ -68,14 +69,19 @@ def _check_sass(name, program, compiled, config=BLACKWELL):
     tile_inputs = [op for op in program.operands if op.kind == "tile" and op.name in read]
     assert ops["UTMALDG"] >= 2 + len(tile_inputs), f"{name}: a TMA load for A, B and each tile input: {ops}"
     col_reductions = [out for out in program.reductions if out.axis == "col"]
-    assert (ops["SHFL"] > 0) == bool(col_reductions), f"{name}: shuffles exactly where it reduces columns: {ops}"
+    # lane exchanges; SHFL.IDX also broadcasts a warp's aggregated atomic count (counting tiles in)
+    exchanges = len(re.findall(r"\bSHFL\.(?!IDX)", sass))
+    assert (exchanges > 0) == bool(col_reductions), f"{name}: shuffles exactly where it reduces columns: {ops}"
     assert ops["HGMMA"] == 0, f"{name}: Hopper's WGMMA in an sm_100a kernel"
     assert (ops["UTMASTG"] > 0) == bool(program.tile_outputs), f"{name}: TMA stores exactly where it stores tiles"
     spills = EXPECTED_SPILLS.get((name, tuple(config.tile), tuple(config.cluster)), 0)
     assert compiled.spill_bytes == spills, f"{name}: {compiled.spill_bytes} bytes spilled, expected {spills}"
     assert spills or ("LDL" not in sass and "STL" not in sass), f"{name}: spills"
-    finish = re.search(r"\.text\.kernel_cutlass_finish", sass) is not None
-    assert finish == bool(program.reductions), f"{name}: a finishing kernel exactly where it reduces"
+    assert sass.count("//--------------------- .text.") == 1, f"{name}: one kernel (reductions are finished in it)"
+    from test_compile import counting_fences
+
+    axes = len({o.axis for o in program.reductions})
+    assert counting_fences(sass) == (2 * axes, 2 * axes), f"{name}: counting tiles in: {counting_fences(sass)}"
 
 
 def _compile_and_check(name, program, config, tmp_path):

@@ -70,6 +70,11 @@ class Backend(ABC):
     def tile_threads(self, config: KernelConfig) -> int:
         """Threads that compute one tile's epilogue."""
 
+    def epilogue_slot(self, config: KernelConfig) -> tuple[int, str]:
+        """(how many tiles run their epilogues at once in a CTA, which one this thread's is): the
+        smem words a tile's first thread fills for the tile's other threads."""
+        return 1, "0"
+
     @abstractmethod
     def schedule(self, config: KernelConfig) -> dict:
         """The template's constants for ``config.schedule`` (warpgroups, register budgets)."""

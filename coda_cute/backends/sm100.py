@@ -146,12 +146,11 @@ class SM100(Backend):
         """Hopper's layout (sm90.smem_bytes) over one CTA's share: the barriers and the TMEM
         address in the first 1024 bytes; the A/B stages (this CTA's rows of A, its share of B's
         columns); the 1024-aligned epilogue rings of the CTA's 128 rows; the 16-byte aligned
-        vectors and column scratch; the whole padded to 1024 bytes."""
+        small fields (sm90.small_smem_bytes); the whole padded to 1024 bytes."""
         ab = ab_stages * ab_stage_bytes(ctx.config)
         rings = sum(-(-stages * CTA_ROWS * t["cols"] * sm90.DTYPE_BYTES[t["dtype"]] // 1024) * 1024
                     for tiles, stages in ((ctx.tile_outputs, epi_stages), (ctx.tile_inputs, in_stages)) for t in tiles)
-        small = sum(-(-4 * n // 16) * 16 for n in [v["elems"] for v in ctx.vectors] + [ctx.col_scratch_elems])
-        return -(-(1024 + ab + rings + small) // 1024) * 1024
+        return -(-(1024 + ab + rings + sm90.small_smem_bytes(ctx)) // 1024) * 1024
 
     def coordinates(self, row: bool, col: bool) -> list[str]:
         head = ["row = row0 + ctidx  # this thread's row"] if row else []

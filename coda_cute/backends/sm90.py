@@ -53,6 +53,9 @@ class SM90(Backend):
     def tile_threads(self, config: KernelConfig) -> int:
         return tile_threads(config)
 
+    def epilogue_slot(self, config: KernelConfig) -> tuple[int, str]:
+        return (2, "consumer_wg") if config.schedule == "pingpong" else (1, "0")
+
     def schedule(self, config: KernelConfig) -> dict:
         return dict(pingpong=config.schedule == "pingpong", tile_warpgroups=tile_warpgroups(config),
                     **register_split(config))
@@ -254,15 +257,20 @@ def _best_plan(config: KernelConfig, declare: Callable, wanted: int, deep_inputs
 def smem_bytes(ctx, epi_stages: int, in_stages: int, ab_stages: int) -> int:
     """Bytes of the kernel's SharedStorage (see the template): barriers, padded to the 1024-byte
     alignment of the A/B stages, then the A/B stages, the epilogue rings (1024-aligned; outputs
-    of epi_stages subtiles, inputs of in_stages) and the per-tile vectors and column-reduction
-    scratch (16-byte aligned); the whole struct is padded to its 1024-byte alignment.  A test
-    compares this with the compiled struct's size."""
+    of epi_stages subtiles, inputs of in_stages) and the small fields (small_smem_bytes); the
+    whole struct is padded to its 1024-byte alignment.  A test compares this with the compiled
+    struct's size."""
     tile_m, tile_n = ctx.config.tile
     ab = ab_stages * (tile_m + tile_n) * 64 * 2
     rings = sum(-(-stages * tile_m * t["cols"] * DTYPE_BYTES[t["dtype"]] // 1024) * 1024
                 for tiles, stages in ((ctx.tile_outputs, epi_stages), (ctx.tile_inputs, in_stages)) for t in tiles)
-    small = sum(-(-4 * n // 16) * 16 for n in [v["elems"] for v in ctx.vectors] + [ctx.col_scratch_elems])
-    return -(-(1024 + ab + rings + small) // 1024) * 1024
+    return -(-(1024 + ab + rings + small_smem_bytes(ctx)) // 1024) * 1024
+
+
+def small_smem_bytes(ctx) -> int:
+    """The 16-byte aligned fields after the rings: per-tile vectors and column-reduction scratch
+    (4-byte elements).  (The finishing flags sit in the barriers' 1024 bytes.)"""
+    return sum(-(-4 * n // 16) * 16 for n in [v["elems"] for v in ctx.vectors] + [ctx.col_scratch_elems])
 
 
 def _stages(ctx, config: KernelConfig, wanted: int, deep_inputs: bool = False) -> tuple[int, int, int] | None:
