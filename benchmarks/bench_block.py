@@ -98,7 +98,7 @@ def kernel_kind(name: str) -> str:
        (its mangler drops the dots of `str(self)`); coda-cute's module is `coda_cute_kernel_<hash>`, its
        class `<ProgramName>Kernel` (lower._class_name), e.g. `kernel_cutlass_kernel_coda_cute_kernel_
        4fcc6e61217bfa89RmsSwigluSaveKernel_object_at__...`.  Method `kernel`, the GEMM + epilogue, is
-       'gemm'; method `finish` (a reduction's per-tile partials combined, templates/sm90_finish.py.j2) is
+       'gemm'; method `finish` (a reduction's per-tile partials combined, templates/finish_kernel.py.j2) is
        'finish', kept apart so that its time stays visible.
     2. Triton kernels of torch.compile: `triton_tem_*` (Inductor's matmul templates) are 'gemm'; the
        other `triton_*` are 'other', even when named after an attention op (stride copies for SDPA).

@@ -200,6 +200,7 @@ def _flag_config(program: Program, args) -> KernelConfig:
         epi_stages=getattr(args, "epi_stages", None) or 0, in_stages=getattr(args, "in_stages", None) or 0,
         raster_along_m=_raster_along_m(getattr(args, "raster", "m")), swizzle=getattr(args, "swizzle", DEFAULT_SWIZZLE),
         stage_tables=bool(getattr(args, "stage_tables", False)),
+        finish_in_gemm=bool(getattr(args, "finish_in_gemm", False)),
     ).check()
 
 
@@ -471,6 +472,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, several: bool = False) ->
                        help="load Table operands' subtile slices into smem with TMA instead of gathering them (needs "
                             "every table's --table-period; the runtime does this for tables whose rows R are a "
                             "multiple of the tile's rows, P a multiple of 32)")
+    group.add_argument("--finish-in-gemm", action="store_true",
+                       help="reductions: the last tile of each row (column) of tiles folds the partials, instead of "
+                            "a second kernel (the runtime does this for calls too small to keep the GPU busy)")
     if not several:
         group.add_argument("--ab-stages", type=int, default=0, metavar="S",
                            help="mainloop stages, 2..8; fewer leave shared memory for deeper epilogue input rings "

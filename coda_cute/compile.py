@@ -242,9 +242,9 @@ def stack_frame_bytes(cubin: bytes | None) -> int | None:
 
 
 def kernel_instructions(cubin: bytes | None) -> int | None:
-    """SASS instructions in the largest function of ``cubin`` (the GEMM kernel), from its
-    ``.text`` section's size (16 bytes an instruction on sm_90 and sm_100); None if it has none,
-    or is not a 64-bit little-endian ELF file."""
+    """SASS instructions in the largest function of ``cubin`` (the GEMM kernel: a finishing
+    kernel is far smaller), from its ``.text`` section's size (16 bytes an instruction on sm_90
+    and sm_100); None if it has none, or is not a 64-bit little-endian ELF file."""
     sizes = [size for name, _, size in _elf_sections(cubin) or [] if name.startswith(b".text.")]
     return max(sizes) // 16 if sizes else None
 

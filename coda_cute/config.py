@@ -72,6 +72,11 @@ class KernelConfig:
     #: input, instead of gathering its elements from global memory: for tables whose rows R are
     #: a multiple of the tile's rows (a tile's rows never wrap) and whose period P is known
     stage_tables: bool = False
+    #: reductions: the last tile of each row (column) of tiles folds the partials over the tiles,
+    #: instead of a second kernel launched after the GEMM: one launch less per call (4-5 us of
+    #: host time), but the folds land in the GEMM's last tiles (a few us more of GPU time);
+    #: ``runtime.finish_in_gemm`` says where calls use it
+    finish_in_gemm: bool = False
 
     def check(self) -> "KernelConfig":
         """Raise UnsupportedError naming the first field this generator cannot build."""
@@ -111,6 +116,8 @@ class KernelConfig:
             raise UnsupportedError(f"raster_along_m {self.raster_along_m!r}: expected True or False")
         if type(self.stage_tables) is not bool:
             raise UnsupportedError(f"stage_tables {self.stage_tables!r}: expected True or False")
+        if type(self.finish_in_gemm) is not bool:
+            raise UnsupportedError(f"finish_in_gemm {self.finish_in_gemm!r}: expected True or False")
         if type(self.swizzle) is not int or self.swizzle not in SWIZZLES:
             raise UnsupportedError(f"swizzle {self.swizzle!r}: expected one of {', '.join(map(str, SWIZZLES))}")
         for name, dtype in _named_pairs(self.operand_dtypes, "operand_dtypes"):
@@ -143,7 +150,8 @@ class KernelConfig:
         periods = dict(self.table_periods)
         tables = tuple((op.name, periods[op.name]) for op in tensors if op.staging == "gather" and op.name in periods)
         staged = self.stage_tables and any(op.staging == "gather" for op in tensors)
-        return replace(self, operand_dtypes=dtypes, table_periods=tables, stage_tables=staged)
+        return replace(self, operand_dtypes=dtypes, table_periods=tables, stage_tables=staged,
+                       finish_in_gemm=self.finish_in_gemm and bool(program.reductions))
 
     @property
     def sm_count(self) -> int:
@@ -157,7 +165,7 @@ class KernelConfig:
         return (self.arch, self.gpu, self.dtype, self.majors, tuple(self.tile), tuple(self.cluster),
                 self.schedule, self.raster_along_m, self.swizzle, self.ab_stages, self.epi_stages, self.in_stages,
                 tuple(self.operand_dtypes),
-                tuple(self.table_periods), self.stage_tables)
+                tuple(self.table_periods), self.stage_tables, self.finish_in_gemm)
 
     def describe(self) -> str:
         return (f"{self.arch} {self.gpu} ({self.sm_count} SMs), {self.dtype} inputs, majors {self.majors}, "
@@ -167,7 +175,8 @@ class KernelConfig:
                 + (f", {self.ab_stages} mainloop stages" if self.ab_stages else "")
                 + (f", output rings {self.epi_stages} deep" if self.epi_stages else "")
                 + (f", input rings {self.in_stages} deep" if self.in_stages else "")
-                + (", tables staged in smem" if self.stage_tables else ""))
+                + (", tables staged in smem" if self.stage_tables else "")
+                + (", reductions finished in the GEMM" if self.finish_in_gemm else ""))
 
 
 def _pair_of(value) -> tuple | None:

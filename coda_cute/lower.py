@@ -71,7 +71,7 @@ class Context:
     finish_tail: list = field(default_factory=list)
     finish_axes: list = field(default_factory=list)  # 'row', 'col': which counters the program's reductions use
     col_reductions: list = field(default_factory=list)
-    finishes: list = field(default_factory=list)  # reductions, their partials folded by the last tile in (finish.py.j2)
+    finishes: list = field(default_factory=list)  # reductions: their partials and how they are folded
     finish_epilogues: int = 0  # epilogues a CTA runs at once, each with its finish_state words
     col_scratch_elems: int = 0
     segments: list = field(default_factory=list)  # registers of segment reductions
@@ -140,7 +140,7 @@ def lower(program: Program, config: KernelConfig) -> Context:
         tile_m=tile_m, tile_n=tile_n, tile_k=64, cluster_m=config.cluster[0], cluster_n=config.cluster[1],
         ab_stages=ab_stages, epi_n=ctx.epi_n, epi_stages=stages, in_stages=in_stages,
         smem_budget=SMEM_BYTES[config.arch], smem_planned=target.smem_bytes(ctx, stages, in_stages, ab_stages),
-        raster_along_m=config.raster_along_m, swizzle=config.swizzle,
+        raster_along_m=config.raster_along_m, swizzle=config.swizzle, finish_in_gemm=config.finish_in_gemm,
         **target.schedule(config),
     )
     _Body(ctx, program, config).emit_all()
@@ -151,16 +151,18 @@ def lower(program: Program, config: KernelConfig) -> Context:
 
 
 def _finish(ctx: Context, config: KernelConfig) -> None:
-    """Reductions are finished in the kernel: each tile whose partials are written counts itself
-    in (``arrivals``: a counter per row of tiles, then one per column of tiles), and the last tile
-    of a row (column) folds that row's (column's) partials (finish.py.j2).  One tile behind, so
-    that no thread waits on the memory system: a tile is counted in at the start of the next
-    tile's epilogue, when its partials have long been written (the release fence has nothing to
-    wait for), and learns whether it was the last after that epilogue's first subtile (the
-    count has come back meanwhile); a tile that was the last folds at the epilogue's end, where
-    the accumulators are no longer needed, so the fold takes registers from no one.  What one tile tells the next sits in smem (``finish_state``), not in
-    registers; the last tile is settled after the tile loop."""
-    if not ctx.finishes:
+    """Where ``config.finish_in_gemm``, reductions are finished in the GEMM kernel: each tile
+    whose partials are written counts itself in (``arrivals``: a counter per row of tiles, then
+    one per column of tiles), and the last tile of a row (column) folds that row's (column's)
+    partials (finish_in_gemm.py.j2).  One tile behind, so that no thread waits on the memory
+    system: a tile is counted in at the start of the next tile's epilogue, when its partials
+    have long been written (the release fence has nothing to wait for), and learns whether it
+    was the last after that epilogue's first subtile (the count has come back meanwhile); a
+    tile that was the last folds at the epilogue's end, where the accumulators are no longer
+    needed, so the fold takes registers from no one.  What one tile tells the next sits in
+    smem (``finish_state``), not in registers; the last tile is settled after the tile loop.
+    Otherwise a second kernel finishes them (finish_kernel.py.j2)."""
+    if not ctx.finishes or not config.finish_in_gemm:
         return
     ctx.finish_axes = [axis for axis in ("row", "col") if any(f["axis"] == axis for f in ctx.finishes)]
     slot = backend(config.arch).epilogue_slot(config)[1]
@@ -168,8 +170,9 @@ def _finish(ctx: Context, config: KernelConfig) -> None:
     flag, counted_m, counted_n, written_m, written_n = (state(w) for w in range(5))
     partials = ", ".join(f"{f['part']}, {f['out']}" for f in ctx.finishes)
     ctx.finish_init = [
-        "# reductions, one tile behind (finish.py.j2): the counts of the tile counted in at this",
-        "# tile's start; in finish_state: that tile, and this one once it has written its partials",
+        "# reductions, one tile behind (finish_in_gemm.py.j2): the counts of the tile counted in",
+        "# at this tile's start; in finish_state: that tile, and this one once it has written its",
+        "# partials",
         "counted_rows, counted_cols = cutlass.Int32(0), cutlass.Int32(0)",
         "if ctidx == COUNTING_THREAD:",
         f"    {written_m} = -1  # none yet"]
@@ -287,19 +290,24 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
         shape = f"({lead}ceil(N / TILE_N), M)" if out.axis == "row" else f"({lead}ceil(M / TILE_M), N)"
         part, final = f"part_{out.name}", f"out_{out.name}"
         result = "(M,)" if out.axis == "row" else "(N,)"
-        ctx.kernel_params += [part, final]
-        ctx.kernel_param_decls += [f"{part}: cute.Tensor", f"{final}: cute.Tensor"]
+        # the GEMM kernel writes the partials; it also folds them where the last tile finishes
+        # them (finish_in_gemm.py.j2), else the finishing kernel does (finish_kernel.py.j2)
+        params = [part, final] if config.finish_in_gemm else [part]
+        ctx.kernel_params += params
+        ctx.kernel_param_decls += [f"{name}: cute.Tensor" for name in params]
         # the helper that folds the partials over the tiles: sums of squares add as sums do
         fold = dict(helper="finish_" + {"sumsq": "sum"}.get(out.reduce, out.reduce))
-        if out.reduce == "logsumexp":
-            ctx.helpers.add("where")  # an empty row's log-sum-exp
-        else:
+        if out.reduce != "logsumexp":
             fold.update(identity=IDENTITY[out.reduce], fold=combine(out.reduce, "total", "%s"))
+        # an empty row's log-sum-exp; the finishing kernel also masks the tiles past the last
+        if out.reduce == "logsumexp" or not config.finish_in_gemm:
+            ctx.helpers.add("where")
         ctx.finishes.append(dict(name=out.name, kind=out.reduce, axis=out.axis, part=part, out=final, shape=shape,
-                                 **fold, label=f"{out.axis}_{out.reduce}({out.node.describe()})", result=result))
+                                 **fold, label=f"{out.axis}_{out.reduce}({out.node.describe()})", result=result,
+                                 length="mA.shape[0]" if out.axis == "row" else "mB.shape[0]"))
         if out.axis == "col":
             ctx.col_reductions.append(out.name)
-    if program.reductions:
+    if program.reductions and config.finish_in_gemm:
         ctx.kernel_params.append("arrivals")
         ctx.kernel_param_decls.append("arrivals: cute.Tensor")
         ctx.finish_epilogues = backend(config.arch).epilogue_slot(config)[0]

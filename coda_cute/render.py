@@ -56,6 +56,7 @@ def emit_command(program: Program, config: KernelConfig, reference: str | None =
     parts += [f"--in-stages {config.in_stages}"] if config.in_stages else []
     parts += [] if config.raster_along_m else ["--raster n"]
     parts += ["--stage-tables"] if config.stage_tables else []
+    parts += ["--finish-in-gemm"] if config.finish_in_gemm else []
     return " ".join(parts)
 
 

@@ -15,9 +15,11 @@ kernel cannot take is rejected with an ArgumentError, never silently computed an
 Outputs are allocated unless passed in ``out={name: tensor}``: written in place and returned
 as given (views into larger buffers are fine: only the row stride must be 16-byte aligned).
 Reductions come back finished; ``return_partials=True`` adds the per-tile partials.  Without
-it the partials are scratch that the kernel folds (the last tile of each row or column of tiles
-does), which each call plan keeps and reuses on the CUDA stream it made them on, with the
-kernel's arrival counters (``CallPlan.scratch``).
+it the partials are scratch, which each call plan keeps and reuses on the CUDA stream it made
+them on (``CallPlan.scratch``).  A second kernel folds them over the tiles, except in calls too
+small to keep the GPU busy (``host_bound``): there the GEMM's last tile of each row or column of
+tiles folds them, counting tiles in with counters kept beside the partials (one launch less per
+call; ``KernelConfig.finish_in_gemm``).
 
 Tile, cluster and schedule left unset are chosen by rules measured on the library
 (``default_tile``); where the rules' kernel spills registers, or is one whose epilogue runs
@@ -49,6 +51,7 @@ from .lower import fits_shared_memory, lower, tables_in_segment_reductions
 from .primitives import check_scalar
 from .program import Program
 from .signature import host_arguments
+from .spelling import DTYPE_BYTES
 
 if TYPE_CHECKING:
     from .cache import CacheEntry
@@ -93,12 +96,15 @@ class Kernel:
                  cluster: tuple[int, int] | None = None, schedule: str | None = None, gpu: str | None = None,
                  ab_stages: int = 0, epi_stages: int = 0, in_stages: int = 0,
                  raster_along_m: bool = True, swizzle: int = DEFAULT_SWIZZLE, stage_tables: bool | None = None,
-                 strict: bool = True, autotune: bool = False, arch: str | None = None):
+                 finish_in_gemm: bool | None = None, strict: bool = True, autotune: bool = False,
+                 arch: str | None = None):
         if not isinstance(program, Program):
             raise ProgramError(f"Kernel needs a coda_cute Program (@coda_cute.epilogue), got {type(program).__name__}")
-        if stage_tables not in (None, True, False) or type(strict) is not bool or type(autotune) is not bool:
-            raise UnsupportedError(f"stage_tables must be None, True or False, strict and autotune True or False, "
-                                   f"got {stage_tables!r}, {strict!r} and {autotune!r}")
+        if stage_tables not in (None, True, False) or finish_in_gemm not in (None, True, False) \
+                or type(strict) is not bool or type(autotune) is not bool:
+            raise UnsupportedError(f"stage_tables and finish_in_gemm must be None, True or False, strict and autotune "
+                                   f"True or False, got {stage_tables!r}, {finish_in_gemm!r}, {strict!r} and "
+                                   f"{autotune!r}")
         if autotune and (tile, cluster, schedule) != (None, None, None):
             raise UnsupportedError("autotune=True chooses the tile, cluster and schedule by timing them: leave "
                                    f"them unset (got tile={tile}, cluster={cluster}, schedule={schedule})")
@@ -115,6 +121,9 @@ class Kernel:
         # tables allow it (stageable_tables), else gathered; True: required (a table that cannot
         # be staged is an ArgumentError); False: always gathered
         self.stage_tables = stage_tables
+        # reductions folded by the GEMM's last tiles (KernelConfig.finish_in_gemm). None: in calls
+        # too small to keep the GPU busy (host_bound), else by a second kernel; True, False: always
+        self.finish_in_gemm = finish_in_gemm
         self.launches = 0
         self.last: Launch | None = None
         self._plans: dict = {}
@@ -148,6 +157,8 @@ class Kernel:
             ab_stages=self.ab_stages, epi_stages=self.epi_stages, in_stages=self.in_stages,
             raster_along_m=self.raster_along_m, swizzle=self.swizzle,
             operand_dtypes=operand_dtypes, table_periods=table_periods, stage_tables=staged,
+            finish_in_gemm=bool(self.program.reductions) and (
+                host_bound(self.program, problem, arch) if self.finish_in_gemm is None else self.finish_in_gemm),
         ).check()
         if staged and self.stage_tables is None and not fits_shared_memory(self.program, config):
             # chosen here, not asked for: where the tables' rings do not fit beside the stages
@@ -279,7 +290,7 @@ class CallPlan:
     device: torch.device
     outputs: list  # (name, cols, dtype)
     partials: list  # (name, shape)
-    blocks: int  # arrival counters: the tile rows and tile columns (0 without reductions)
+    blocks: int  # arrival counters: the tile rows and tile columns (0 unless finish_in_gemm)
     operands: list  # (name, shape its tensor is viewed as; None: a value, checked every call, op)
     reductions: list  # (name, whether the finished values take the caller's batch shape)
 
@@ -306,14 +317,14 @@ class CallPlan:
     def new_partials(self) -> dict:
         return {name: torch.empty(shape, dtype=torch.float32, device=self.device) for name, shape in self.partials}
 
-    def new_arrivals(self) -> torch.Tensor:
-        return torch.zeros(self.blocks, dtype=torch.int32, device=self.device)
+    def new_arrivals(self) -> torch.Tensor | None:
+        return torch.zeros(self.blocks, dtype=torch.int32, device=self.device) if self.blocks else None
 
-    def scratch(self) -> tuple[dict, torch.Tensor]:
-        """(partials, arrival counters) for a call: the plan's own, made once and reused by every
-        call on the CUDA stream that made them (two allocations and a memset less per call).
-        Stream order makes that safe: a call's kernel has folded the partials, and set the
-        counters back to zero, before the next call's kernel starts.  Calls on any other stream,
+    def scratch(self) -> tuple[dict, torch.Tensor | None]:
+        """(partials, arrival counters or None) for a call: the plan's own, made once and reused by
+        every call on the CUDA stream that made them (2-3 us of host time less per call, and a
+        memset).  Stream order makes that safe: a call's kernels have folded the partials, and set
+        the counters back to zero, before the next call's GEMM starts.  Calls on any other stream,
         and calls captured into a CUDA graph (replayed on whichever stream), get fresh ones."""
         if self.device.type != "cuda":
             return self.new_partials(), self.new_arrivals()
@@ -349,7 +360,8 @@ class CallPlan:
             for name, shape in self.partials:
                 finished[name] = torch.empty(shape[-1], dtype=torch.float32, device=self.device)
                 args += [partials[name], finished[name]]
-            args.append(arrivals)
+            if self.blocks:
+                args.append(arrivals)
         for name, shape, op in self.operands:
             value = operands[name]
             if shape is None:  # a value, not part of the signature: checked every call
@@ -421,6 +433,29 @@ def gpu_model(device: torch.device, arch: str = KernelConfig.arch) -> str:
             return model
     raise UnsupportedError(f"{props.name} with {props.multi_processor_count} SMs is not a known "
                            f"{target.generation} GPU")
+
+
+#: Peak dense 16-bit tensor-core rate (FLOP/s) and memory bandwidth (bytes/s) of an arch's
+#: GPUs (H100 SXM, B200), for ``host_bound``
+PEAK_RATES = {"sm_90a": (989e12, 3.35e12), "sm_100a": (2250e12, 8.0e12)}
+#: A call whose GEMM would take less than this at those rates is host-bound: the host spends
+#: 14-20 us on each call (H100 and H200 hosts; benchmarks/results/README.md, "Runtime costs")
+HOST_BOUND_S = 10e-6
+
+
+def host_bound(program: Program, problem: Problem, arch: str) -> bool:
+    """Whether ``problem`` is too small to keep the GPU busy: its FLOPs, or the bytes its GEMM
+    and epilogue move, would take under ``HOST_BOUND_S`` at the GPU's peak rates.  Such calls
+    finish their reductions in the GEMM (``KernelConfig.finish_in_gemm``): one launch less, 4-5
+    us of host time, where the GPU would wait for the host anyway; larger calls run the
+    finishing kernel, whose tail is 1-2 us shorter on the GPU (results README, "The finish
+    folded into the GEMM")."""
+    flops_rate, bytes_rate = PEAK_RATES[arch]
+    m, n, k = problem.m, problem.n, problem.k
+    read = problem.a.nbytes + problem.b.nbytes + sum(
+        t.nbytes for t in problem.operands.values() if isinstance(t, torch.Tensor))
+    written = sum(m * n * float(out.node.width) * DTYPE_BYTES.get(out.dtype, 2) for out in program.tile_outputs)
+    return max(2.0 * m * n * k / flops_rate, (read + written) / bytes_rate) < HOST_BOUND_S
 
 
 def fill_config(program: Program, m: int, n: int, tile=None, cluster=None, schedule=None,

@@ -2,17 +2,18 @@
 
 The GEMM is ``acc = A @ B.T``.  The host function takes, in this order: ``a`` (M, K) and ``b``
 (N, K); each tile output ``out_<name>`` (M, cols); per reduction its per-tile partials
-``part_<name>`` and its finished values ``out_<name>``; where there are reductions,
-``arrivals``, a counter per tile row and per tile column (how many tiles have written their
-partials: the last folds them, and sets the counter back to 0); each operand ``in_<name>`` (a
-tensor of its kind's dims, or a float for a Scalar); then the CUDA stream (not listed here).
+``part_<name>`` and its finished values ``out_<name>``; where the GEMM finishes them
+(``KernelConfig.finish_in_gemm``), ``arrivals``, a counter per tile row and per tile column
+(how many tiles have written their partials: the last folds them, and sets the counter back
+to 0); each operand ``in_<name>`` (a tensor of its kind's dims, or a float for a Scalar); then
+the CUDA stream (not listed here).
 
 Extents are symbols until a call makes them numbers (``Argument.shape``): ``M``, ``N``, ``K``;
 a ``Fraction`` w, the columns of a value w * N wide; ``TILES``, the CTA tiles a reduction's
 partials run over (along N for a row reduction, along M for a column one); ``2`` (a log-sum-
 exp's running max and sum); ``BLOCKS``, the tile rows plus the tile columns; and an operand
-kind's free extents (``R``, ``P``, any size; ``P``
-baked in where the configuration stages a table).  Everyone who builds or passes the arguments
+kind's free extents (``R``, ``P``, any size; ``P`` baked in where the configuration stages a
+table).  Everyone who builds or passes the arguments
 reads this one list: the lowering (the host function's parameters and their docs), compile
 (fake arguments), the runtime's call plan (what a call allocates and in which order it passes
 it) and the torch custom op (its outputs' shapes).
@@ -108,7 +109,7 @@ def host_arguments(program: Program, config: KernelConfig) -> tuple[Argument, ..
         partials, result = reduction_dims(out)
         args.append(Argument(f"part_{out.name}", "partials", out.name, "f32", partials))
         args.append(Argument(f"out_{out.name}", "result", out.name, "f32", result))
-    if program.reductions:
+    if program.reductions and config.finish_in_gemm:
         args.append(Argument("arrivals", "arrivals", None, "i32", (BLOCKS,)))
     for op in program.operands:
         kind = OPERAND_KINDS[op.kind]

@@ -96,7 +96,7 @@ CASES = [(name, config_name) for name in _lowerable(KernelConfig()) for config_n
 # of them 2N wide, within the 168 registers a cooperative kernel is compiled for; its default is
 # ping-pong 128x192, which holds it.
 SPILLS_AT = {"pingpong192": {"rmsnorm_bwd", "rmsnorm_bwd_residual", "cross_entropy_stats_save"},
-             "rows256": {"cross_entropy_stats"},
+             "pingpong128": {"cross_entropy_stats_save"}, "rows256": {"cross_entropy_stats"},
              "cluster2x1": {"swiglu_bwd_recompute"}, "single_cta": {"swiglu_bwd_recompute"}}
 
 
@@ -148,20 +148,11 @@ def test_library_program_compiles_to_expected_sass(name, config_name, tmp_path):
     assert "LDL" not in sass and "STL" not in sass, f"{name}: local-memory traffic (spills) in the SASS"
     assert compiled.spill_bytes == 0, f"{name}: ptxas reports spills:\n{compiled.report}"
     assert compiled.registers is not None and compiled.registers <= 232
-    assert list(sass_functions(sass)) == ["kernel"], f"{name}: one kernel (reductions are finished in it)"
-    released, acquired = counting_fences(sass)
-    axes = len({o.axis for o in program.reductions})
-    assert (released, acquired) == (2 * axes, 2 * axes), (
-        f"{name}: per reduced axis, a tile counts itself in (released) and acquires where it was the last, "
-        f"once in the tile loop and once in the tail: {released}, {acquired}")
-
-
-def counting_fences(sass: str) -> tuple[int, int]:
-    """(global atomic adds behind a GPU-scope fence: the releases that count tiles in, GPU-scope
-    fences followed by an L1 invalidation: the acquires of the tiles that found they were last)."""
-    released = re.findall(r"MEMBAR\.ALL\.GPU ;\n(?:.*\n){0,3}.*ATOMG\.E\.ADD\.STRONG\.GPU", sass)
-    acquired = re.findall(r"MEMBAR\.ALL\.GPU ;\n(?:.*\n){0,3}.*CCTL\.IVALL", sass)
-    return len(released), len(acquired)
+    finish = sass_functions(sass).get("finish")
+    assert (finish is not None) == bool(program.reductions), f"{name}: a finishing kernel exactly where it reduces"
+    if finish is not None:
+        assert "ACQBULK" in finish, f"{name}: the finishing kernel does not wait for the GEMM (griddepcontrol.wait)"
+        assert _longest_load_run(finish) >= 4, f"{name}: the finishing kernel's loads are not in flight together"
 
 
 def sass_functions(sass: str) -> dict[str, str]:
@@ -174,15 +165,48 @@ def sass_functions(sass: str) -> dict[str, str]:
     return found
 
 
+def _longest_load_run(sass: str) -> int:
+    """The most global loads issued one after another with no branch between them."""
+    best = run = 0
+    for line in sass.splitlines():
+        if "LDG" in line:
+            run += 1
+            best = max(best, run)
+        elif "BRA" in line:
+            run = 0
+    return best
+
+
+def test_reductions_are_finished_by_a_second_kernel_launched_as_a_dependent():
+    """One finishing branch per reduction, calling one helper per kind of fold; the GEMM's host
+    function launches it with programmatic dependent launch, and a program without reductions
+    has none of it."""
+    source = emit(library.get("cross_entropy_stats"), KernelConfig())
+    host = source[source.index("    def __call__("):source.index("    @cute.kernel")]
+    finish = source[source.index("    def finish("):]
+    assert host.count("self.finish(") == 1 and host.count("use_pdl=True") == 1
+    assert "grid=[cute.ceil_div(finish_values, 32), 2, 1]" in host
+    assert finish.count("cute.arch.griddepcontrol_wait()") == 1
+    assert "if which == 0:" in finish and "elif which == 1:" in finish and "which == 2" not in finish
+    assert "self.finish_logsumexp(part_lse, out_lse, " in finish  # lse
+    assert "self.finish_sum(part_target_logit, out_target_logit, " in finish  # target_logit
+    assert finish.count("    def finish_") == 2
+    assert "logsumexp_merge(run_max, run_sum, tile_max, tile_sum)" in finish
+    assert "total = total + where(t < tiles, part[(clamped, col)], 0.0)" in finish
+    assert "griddepcontrol" not in source[:source.index("    def finish(")].replace("griddepcontrol.wait", "")
+    plain = emit(library.get("bias_gelu"), KernelConfig())
+    assert "def finish(" not in plain and "FINISH_WARPS" not in plain and "use_pdl" not in plain
+
+
 def test_reductions_are_finished_by_the_last_tile_of_each_row_or_column_of_tiles():
     """A tile counts itself in (a counter per row of tiles, then one per column of tiles) at the
     next tile's start, after a barrier, with a release; learns after that epilogue's subtiles
     (ping-pong: its first) whether it was the last, and only then acquires and sets the counter
     back to zero;
     the last tile folds that row's (column's) partials at the epilogue's end, one helper per kind
-    of fold.  The last tile is settled after the tile loop.  No second kernel; a program without
-    reductions has none of it."""
-    source = emit(library.get("cross_entropy_stats"), KernelConfig())
+    of fold.  The last tile is settled after the tile loop.  No second kernel (finish_in_gemm); a program without
+    reductions has none of it (finish_in_gemm is dropped from its configuration)."""
+    source = emit(library.get("cross_entropy_stats"), KernelConfig(finish_in_gemm=True))
     words = " ".join(source.split())  # as one line, whatever the renderer wrapped
     kernel = words[words.index("@cute.kernel"):words.index("@cute.jit def count_in(")]
     assert "def finish(" in source and "use_pdl" not in source and "griddepcontrol" not in source
@@ -200,11 +224,47 @@ def test_reductions_are_finished_by_the_last_tile_of_each_row_or_column_of_tiles
     assert "self.finish_sum(part_target_logit, out_target_logit, tile_m * TILE_M, TILE_M, ctidx)" in words
     assert "run_max, run_sum = logsumexp_merge(run_max, run_sum, tile_max, tile_sum)" in words
     assert "total = total + part[(t, i)]" in words
-    both = " ".join(emit(library.get("rmsnorm_bwd"), KernelConfig()).split())  # a row dot; dgamma, a column sum
+    both = " ".join(emit(library.get("rmsnorm_bwd"), KernelConfig(finish_in_gemm=True)).split())  # a row dot; dgamma, a column sum
     assert both.count("atomic_add(") == 2 and "col_counter = (M + TILE_M - 1) // TILE_M + tile_n" in both
     assert "if (finishing & 2) != 0: # col_sum((acc * x_hat)) self.finish_sum(part_dgamma, out_dgamma, " in both
-    plain = emit(library.get("bias_gelu"), KernelConfig())
-    assert "def finish" not in plain and "arrivals.iterator" not in plain and "finish_state" not in plain
+    plain = emit(library.get("bias_gelu"), KernelConfig(finish_in_gemm=True))
+    assert plain == emit(library.get("bias_gelu"), KernelConfig()) and "def finish" not in plain
+
+
+# Reductions finished in the GEMM (KernelConfig.finish_in_gemm: the runtime's choice for calls too
+# small to keep the GPU busy), at the runtime default: a row reduction beside a tile input, a row
+# and a column reduction, a log-sum-exp, the heaviest ping-pong epilogue; and two at ping-pong
+# 128x128 (the fold's state per warpgroup)
+FOLD_CASES = [("residual_sumsq", "runtime_default"), ("rmsnorm_bwd", "runtime_default"),
+              ("cross_entropy_stats", "runtime_default"), ("swiglu_bwd_recompute", "runtime_default"),
+              ("rmsnorm_bwd", "pingpong128"), ("cross_entropy_stats_save", "pingpong128")]
+
+
+@pytest.mark.parametrize("name,config_name", FOLD_CASES)
+def test_reductions_finished_in_the_gemm_compile_to_one_kernel_that_counts_tiles_in(name, config_name, tmp_path):
+    program = library.get(name)
+    config = CONFIGS[config_name]
+    if config is None:
+        tile, cluster, schedule = runtime_defaults(program)
+        config = KernelConfig(tile=tile, cluster=cluster, schedule=schedule)
+    compiled = compile_program(program, config.with_(finish_in_gemm=True), keep=("sass",),
+                               dump_dir=tmp_path / "dump", source_dir=tmp_path / "src", report=True)
+    sass = compiled.artifacts["sass"].read_text()
+    assert compiled.spill_bytes == 0 and "LDL" not in sass and "STL" not in sass, f"{name}: spills"
+    assert list(sass_functions(sass)) == ["kernel"], f"{name}: one kernel (reductions are finished in it)"
+    released, acquired = counting_fences(sass)
+    axes = len({o.axis for o in program.reductions})
+    assert (released, acquired) == (2 * axes, 2 * axes), (
+        f"{name}: per reduced axis, a tile counts itself in (released) and acquires where it was the last, "
+        f"once in the tile loop and once in the tail: {released}, {acquired}")
+
+
+def counting_fences(sass: str) -> tuple[int, int]:
+    """(global atomic adds behind a GPU-scope fence: the releases that count tiles in, GPU-scope
+    fences followed by an L1 invalidation: the acquires of the tiles that found they were last)."""
+    released = re.findall(r"MEMBAR\.ALL\.GPU ;\n(?:.*\n){0,3}.*ATOMG\.E\.ADD\.STRONG\.GPU", sass)
+    acquired = re.findall(r"MEMBAR\.ALL\.GPU ;\n(?:.*\n){0,3}.*CCTL\.IVALL", sass)
+    return len(released), len(acquired)
 
 
 def names_that_extend_others(acc, x: cc.Tile, x_part: cc.RowVec):

@@ -146,7 +146,16 @@ def _gpu_programs():
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("name", _gpu_programs())
 def test_library_program(name, shape):
-    run_and_compare(_sized(name, shape[1]), *shape)
+    """At these small shapes calls are host-bound, so reductions are finished in the GEMM
+    (runtime.host_bound); test_library_program_finishing_kernel runs the second kernel."""
+    config = run_and_compare(_sized(name, shape[1]), *shape)
+    assert config.finish_in_gemm == bool(library.get(name).reductions)
+
+
+@pytest.mark.parametrize("name", [n for n in _gpu_programs() if library.get(n).reductions])
+def test_library_program_finishing_kernel(name):
+    config = run_and_compare(_sized(name, 784), 1000, 784, 136, finish_in_gemm=False)
+    assert not config.finish_in_gemm
 
 
 def _sized(name: str, n: int) -> Program:
@@ -316,22 +325,26 @@ def many_reductions(acc, bias: cc.ColVec):
             "peak": cc.row_maxabs(y), "energy": cc.col_sumsq(y)}
 
 
+@pytest.mark.parametrize("in_gemm", [False, True], ids=["finishing_kernel", "in_gemm"])
 @pytest.mark.parametrize("shape", [(4229, 8456, 64), (100, 200, 32)], ids=["34x34_tiles", "one_tile"])
-def test_last_tile_folds_over_many_tiles_and_one(shape):
-    """The last tile of each row (column) of tiles folds the partials of every kind over 34 tiles
-    (the fold's loop of four loads at a time runs past its last full round) and over a single
-    tile; its values are the same bits on every call, and the arrival counters are back to zero."""
+def test_reductions_finished_over_many_tiles_and_one(shape, in_gemm):
+    """The partials of every kind folded over 34 tiles and over a single tile: by the finishing
+    kernel (34 is more than the 32 its CTA folds per round, so the round loop repeats and masks
+    tiles past the last), or by the GEMM's last tile of each row or column of tiles (its loop of
+    four loads at a time runs past its last full round).  The values are the same bits on every
+    call, and the GEMM leaves its arrival counters at zero."""
     program = cc.epilogue(many_reductions)
-    run_and_compare(program, *shape)
+    assert run_and_compare(program, *shape, finish_in_gemm=in_gemm).finish_in_gemm == in_gemm
     gen = torch.Generator().manual_seed(17)
     a, b, ops = make_inputs(program, *shape, torch.bfloat16, gen)
-    kernel = Kernel(program)
+    kernel = Kernel(program, finish_in_gemm=in_gemm)
     first = kernel(a, b, **ops)
     again = kernel(a, b, **ops)
     for out in program.reductions:
         assert torch.equal(first[out.name], again[out.name]), f"{out.name}: not the same bits on a second call"
     (plan,) = kernel._plans.values()
-    assert not plan.scratch()[1].any(), "a kernel left its arrival counters set"
+    arrivals = plan.scratch()[1]
+    assert (arrivals is not None) == in_gemm and not (in_gemm and arrivals.any()), "counters left set"
 
 
 def test_names_that_extend_others_stay_apart():
@@ -346,7 +359,8 @@ def test_names_that_extend_others_stay_apart():
     run_and_compare(cc.epilogue(names_that_extend_others), 300, 528, 200)
 
 
-def test_cuda_graph_capture_of_a_warm_kernel_and_refusal_when_cold():
+@pytest.mark.parametrize("in_gemm", [False, True], ids=["finishing_kernel", "in_gemm"])
+def test_cuda_graph_capture_of_a_warm_kernel_and_refusal_when_cold(in_gemm):
     program = library.get("bias_gelu")
     gen = torch.Generator().manual_seed(3)
     a, b, ops = make_inputs(program, 256, 256, 128, torch.bfloat16, gen)
@@ -360,11 +374,12 @@ def test_cuda_graph_capture_of_a_warm_kernel_and_refusal_when_cold():
     graph.replay()
     torch.cuda.synchronize()
     assert_close("D (graph replay)", captured, cc.evaluate(program, a, b, ops).outputs["D"], *TOLERANCE[torch.bfloat16])
-    # a program with reductions: its arrival counters are made (zeroed) in the graph, and each
-    # replay leaves them zero for the next
+    # a program with reductions: the finishing kernel's programmatic dependent launch is captured
+    # too; or the GEMM's arrival counters are made (zeroed) in the graph, and each replay leaves
+    # them zero for the next
     program = library.get("residual_sumsq")
     a, b, ops = make_inputs(program, 300, 528, 200, torch.bfloat16, gen)
-    warm = Kernel(program)
+    warm = Kernel(program, finish_in_gemm=in_gemm)
     warm(a, b, **ops)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
@@ -388,23 +403,25 @@ def test_cuda_graph_capture_of_a_warm_kernel_and_refusal_when_cold():
                 cold(a, b, **ops)
 
 
-def test_calls_share_their_plans_partials_on_its_stream_only():
-    """Calls that do not return the partials share their plan's partials and arrival counters
-    (CallPlan.scratch) on the stream that made them: calls queued back to back on other inputs each
-    finish their own values, and leave the counters zero.  A call on another stream, running beside
-    them, and partials returned to the caller are their own tensors."""
+@pytest.mark.parametrize("in_gemm", [False, True], ids=["finishing_kernel", "in_gemm"])
+def test_calls_share_their_plans_partials_on_its_stream_only(in_gemm):
+    """Calls that do not return the partials share their plan's partials (and arrival counters,
+    where the GEMM finishes them; CallPlan.scratch) on the stream that made them: calls queued
+    back to back on other inputs each finish their own values, and leave the counters zero.  A
+    call on another stream, running beside them, and partials returned to the caller are their
+    own tensors."""
     program = library.get("residual_sumsq")
     gen = torch.Generator().manual_seed(29)
     inputs = [make_inputs(program, 300, 528, 200, torch.bfloat16, gen) for _ in range(3)]
-    kernel = Kernel(program)
+    kernel = Kernel(program, finish_in_gemm=in_gemm)
     results = [kernel(a, b, **ops) for a, b, ops in inputs]  # no synchronization in between
     (plan,) = kernel._plans.values()
     scratch, arrivals = plan.scratch()
-    assert plan.scratch()[0] is scratch and plan.scratch()[1] is arrivals
+    assert plan.scratch()[0] is scratch and plan.scratch()[1] is arrivals and (arrivals is not None) == in_gemm
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        assert plan.scratch()[0] is not scratch and plan.scratch()[1] is not arrivals
+        assert plan.scratch()[0] is not scratch
         beside = kernel(inputs[1][0], inputs[1][1], **inputs[1][2])
         returned, parts = kernel(inputs[2][0], inputs[2][1], return_partials=True, **inputs[2][2])
     torch.cuda.current_stream().wait_stream(side)
@@ -413,7 +430,7 @@ def test_calls_share_their_plans_partials_on_its_stream_only():
     torch.cuda.synchronize()
     assert kernel.launches == 6 and all(p.data_ptr() != scratch["sumsq"].data_ptr() for p in parts.values())
     assert torch.equal(parts["sumsq"], kept), "partials returned to the caller were written by a later call"
-    assert not arrivals.any(), "a kernel left its arrival counters set"
+    assert not (in_gemm and arrivals.any()), "a kernel left its arrival counters set"
     for (a, b, ops), got in zip(inputs + inputs[1:], results + [beside, returned]):
         assert_close("sumsq", got["sumsq"], cc.evaluate(program, a, b, ops).outputs["sumsq"], *REDUCTION_TOLERANCE)
 
@@ -477,8 +494,9 @@ def nan_maxes(acc):
             "E": (acc - cc.row_max(acc, segment=16)).to(cc.f32)}
 
 
+@pytest.mark.parametrize("in_gemm", [False, True], ids=["finishing_kernel", "in_gemm"])
 @pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
-def test_maxima_are_nan_where_torch_amax_is(schedule):
+def test_maxima_are_nan_where_torch_amax_is(schedule, in_gemm):
     """A NaN in a row of A makes that row's maxima NaN (and every column's, which it crosses),
     a NaN in a row of B that column's (and every row's), as torch.amax and torch.logsumexp give
     them: the maxima within a thread, across lanes, across warps and across tiles all pass NaN on."""
@@ -486,7 +504,7 @@ def test_maxima_are_nan_where_torch_amax_is(schedule):
     for operand, row in (("a", 133), ("b", 300)):
         a, b, ops = make_inputs(nan_maxes, 300, 528, 200, torch.bfloat16, gen)
         (a if operand == "a" else b)[row, 3] = float("nan")
-        kernel = Kernel(nan_maxes, tile=(128, 128), cluster=(1, 1), schedule=schedule)
+        kernel = Kernel(nan_maxes, tile=(128, 128), cluster=(1, 1), schedule=schedule, finish_in_gemm=in_gemm)
         got = kernel(a, b, **ops)
         assert kernel.last.path == "kernel" and kernel.launches == 1
         want = cc.evaluate(nan_maxes, a, b, ops).outputs

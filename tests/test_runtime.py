@@ -15,9 +15,9 @@ from coda_cute.lower import lower
 from coda_cute.runtime import CallPlan, Kernel, _signature, runtime_defaults
 
 
-def _stand_in(program, tile):
+def _stand_in(program, tile, finish_in_gemm=False):
     """A 'kernel' writing what the generated one writes: outputs, per-tile partials and their
-    finished values."""
+    finished values (with ``finish_in_gemm``, taking the arrival counters, which it leaves zero)."""
     calls = []
 
     def launch(*args):
@@ -26,8 +26,9 @@ def _stand_in(program, tile):
         rest = list(args[2:])
         outs = [rest.pop(0) for _ in program.tile_outputs]
         reductions = [(rest.pop(0), rest.pop(0)) for _ in program.reductions]  # (partials, finished)
-        if program.reductions:
-            assert rest.pop(0).dtype == torch.int32  # the arrival counters
+        if finish_in_gemm:
+            arrivals = rest.pop(0)
+            assert arrivals.dtype == torch.int32 and not arrivals.any()
         operands = {op.name: rest.pop(0) for op in program.operands}
         ref = reference.evaluate(program, a, b, operands, tile=tile)
         for o, t in zip(program.tile_outputs, outs):
@@ -48,12 +49,51 @@ def test_plan_passes_the_host_functions_arguments_and_finishes_reductions():
     launch, calls = _stand_in(program, config.tile)
     plan = CallPlan.build(program, bind(program, a, b, {"residual": residual}), config, launch, "key")
     outputs = plan.run(a, b, {"residual": residual}, None, return_partials=False)
-    # the arrival counters: 3 tile rows and 2 tile columns
-    assert calls == [[(300, 64), (272, 64), (300, 272), (2, 300), (300,), (5,), (300, 272)]]
+    assert calls == [[(300, 64), (272, 64), (300, 272), (2, 300), (300,), (300, 272)]]
     want = cc.evaluate(program, a, b, {"residual": residual})
     assert outputs["D"].shape == (2, 150, 272) and outputs["sumsq"].shape == (2, 150)
     torch.testing.assert_close(outputs["D"], want.outputs["D"], rtol=0, atol=0)
     torch.testing.assert_close(outputs["sumsq"], want.outputs["sumsq"], rtol=1e-5, atol=1e-4)
+
+
+def test_plan_passes_arrival_counters_where_the_gemm_finishes_reductions():
+    """finish_in_gemm: the counters (a tile row each, then a tile column each) follow the
+    reductions, zeroed once and kept with the plan's partials for its next calls."""
+    program = library.get("residual_sumsq")
+    config = KernelConfig(tile=(128, 256), finish_in_gemm=True)
+    a, b = torch.randn(300, 64, dtype=torch.bfloat16), torch.randn(272, 64, dtype=torch.bfloat16)
+    residual = torch.randn(300, 272, dtype=torch.bfloat16)
+    launch, calls = _stand_in(program, config.tile, finish_in_gemm=True)
+    plan = CallPlan.build(program, bind(program, a, b, {"residual": residual}), config, launch, "key")
+    plan.run(a, b, {"residual": residual}, None, return_partials=False)
+    outputs = plan.run(a, b, {"residual": residual}, None, return_partials=False)
+    # 3 tile rows and 2 tile columns
+    assert calls[1] == [(300, 64), (272, 64), (300, 272), (2, 300), (300,), (5,), (300, 272)]
+    torch.testing.assert_close(outputs["sumsq"], cc.evaluate(program, a, b, {"residual": residual}).outputs["sumsq"],
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_small_calls_finish_their_reductions_in_the_gemm():
+    """host_bound: a call whose GEMM and traffic would take under 10 us at the GPU's peak rates
+    folds its reductions in the GEMM; a larger one (by FLOPs, or by the bytes of a shallow K)
+    runs the finishing kernel; finish_in_gemm=True or False fixes it; programs without
+    reductions never carry it."""
+    program = library.get("residual_sumsq")
+
+    def config(m, n, k, **kwargs):
+        a, b = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16)
+        return Kernel(program, **kwargs).config_for(bind(program, a, b, {"residual": torch.empty(m, n, dtype=a.dtype)}))
+
+    assert config(128, 128, 128).finish_in_gemm and config(1024, 2048, 2048).finish_in_gemm
+    assert not config(8192, 2048, 2048).finish_in_gemm  # 69 GFLOP: 70 us at 989 TFLOP/s
+    assert not config(8192, 8192, 64).finish_in_gemm  # 8.6 GFLOP, but 268 MB of residual and output
+    assert not config(128, 128, 128, finish_in_gemm=False).finish_in_gemm
+    assert config(8192, 2048, 2048, finish_in_gemm=True).finish_in_gemm
+    plain = library.get("bias_gelu")
+    a, b = torch.empty(128, 128, dtype=torch.bfloat16), torch.empty(128, 128, dtype=torch.bfloat16)
+    assert not Kernel(plain, finish_in_gemm=True).config_for(bind(plain, a, b, {"bias": torch.empty(128)})).finish_in_gemm
+    with pytest.raises(UnsupportedError, match="finish_in_gemm must be None, True or False"):
+        Kernel(program, finish_in_gemm="yes")
 
 
 def test_plan_writes_into_caller_outputs_and_returns_partials():

@@ -2,9 +2,9 @@
 machine at both 1-CTA tiles and at the 2-CTA 256x128 tile, and a sample covering every
 primitive at the other tile and cluster shapes, with the SASS of the kernel we meant to build
 (tcgen05 MMAs, 2-CTA exactly where a CTA pair shares the MMA, multicast TMA loads exactly where
-a 1-CTA cluster shares A or B, TMEM loads, TMA loads and stores, no WGMMA, no spills, one
-kernel, counting its tiles in with global atomics exactly where it reduces, shuffles exactly
-where it reduces columns); what
+a 1-CTA cluster shares A or B, TMEM loads, TMA loads and stores, no WGMMA, no spills, a
+finishing kernel exactly where it reduces, or with finish_in_gemm one kernel counting its tiles
+in, shuffles exactly where it reduces columns); what
 sm_100a does not build (other tiles and clusters, ping-pong) is refused with an
 UnsupportedError naming sm_100a and what it lacks.  These kernels are compile-verified only:
 none has run on a Blackwell GPU."""
@@ -77,11 +77,15 @@ def _check_sass(name, program, compiled, config=BLACKWELL):
     spills = EXPECTED_SPILLS.get((name, tuple(config.tile), tuple(config.cluster)), 0)
     assert compiled.spill_bytes == spills, f"{name}: {compiled.spill_bytes} bytes spilled, expected {spills}"
     assert spills or ("LDL" not in sass and "STL" not in sass), f"{name}: spills"
-    assert sass.count("//--------------------- .text.") == 1, f"{name}: one kernel (reductions are finished in it)"
-    from test_compile import counting_fences
+    finish = re.search(r"\.text\.kernel_cutlass_finish", sass) is not None
+    if config.finish_in_gemm:  # (set only where the program reduces: KernelConfig.resolved)
+        from test_compile import counting_fences
 
-    axes = len({o.axis for o in program.reductions})
-    assert counting_fences(sass) == (2 * axes, 2 * axes), f"{name}: counting tiles in: {counting_fences(sass)}"
+        assert sass.count("//--------------------- .text.") == 1, f"{name}: one kernel (reductions are finished in it)"
+        axes = len({o.axis for o in program.reductions})
+        assert counting_fences(sass) == (2 * axes, 2 * axes), f"{name}: counting tiles in: {counting_fences(sass)}"
+    else:
+        assert finish == bool(program.reductions), f"{name}: a finishing kernel exactly where it reduces"
 
 
 def _compile_and_check(name, program, config, tmp_path):
@@ -128,6 +132,17 @@ def test_random_compositions_compile_at_the_pair_and_cluster_shapes(seed, shape,
     program = _wide_output() if seed == "wide_output" else random_program(0, extras=seed.endswith("_extras"))
     tile, cluster = SHAPES[shape]
     _compile_and_check(seed, program, BLACKWELL.with_(tile=tile, cluster=cluster), tmp_path)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("shape", ["128x256", "256x128-2x1"])
+@pytest.mark.parametrize("name", ["rmsnorm_bwd", "cross_entropy_stats"])
+def test_reductions_finished_in_the_gemm_compile_for_sm100(name, shape, tmp_path):
+    """finish_in_gemm (the runtime's choice for small calls): a row and a column reduction, a
+    log-sum-exp, in a CTA's tiles and a CTA pair's."""
+    tile, cluster = SHAPES[shape]
+    config = BLACKWELL.with_(tile=tile, cluster=cluster, finish_in_gemm=True)
+    _compile_and_check(name, library.get(name), config, tmp_path)
 
 
 def test_sm100_refuses_what_it_does_not_build():
