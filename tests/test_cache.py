@@ -52,8 +52,11 @@ def test_key_changes_with_everything_that_changes_the_kernel(monkeypatch):
         cache.cache_key(program, config.with_(tile=(64, 256), schedule="pingpong")),
     ]
     assert len(set(variants + [base])) == len(variants) + 1
-    # the same kernel spelled two ways has one key
+    # the same kernel spelled two ways has one key (bias_gelu has no reductions to finish)
     assert cache.cache_key(program, config.with_(operand_dtypes=(("bias", "bf16"),))) == base
+    assert cache.cache_key(program, config.with_(finish_in_gemm=True)) == base
+    reducing = library.get("residual_sumsq")
+    assert cache.cache_key(reducing, config.with_(finish_in_gemm=True)) != cache.cache_key(reducing, config)
     # the DSL version, the template and the generator sources are part of it
     for field, value in (("cutlass_dsl", "9.9.9"), ("dsl_flavor", "cu99"), ("generator", "0" * 64)):
         fields = dict(cache.environment_fields())
