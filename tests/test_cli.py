@@ -82,6 +82,7 @@ def test_show_prints_the_program_listing(capsys):
     ("swiglu", ["--gpu", "H100", "--dtype", "f16", "--majors", "mn", "--tile", "128x128", "--cluster", "1x2"]),
     ("residual_sumsq", ["--tile", "64x256", "--cluster", "1x1", "--operand-dtype", "residual=f32"]),
     ("residual_sumsq", ["--ab-stages", "3"]),  # the residual ring then holds the whole tile
+    ("rmsnorm_bwd", ["--finish-in-gemm"]),  # reductions folded by the GEMM's last tiles
     ("gemm", ["--raster", "n", "--swizzle", "8"]),
     ("gemm", ["--swizzle", "1"]),  # CuTe's walk as it is, no swizzled_tile
     ("rms_scale_gamma", ["--tile", "64x256", "--schedule", "pingpong", "--operand-dtype", "rstd=f32",
@@ -110,6 +111,9 @@ def test_emit_flags_reach_the_kernel(capsys):
     assert out == emit(library.get("rms_scale_gamma"), config)
     assert "TILE_M, TILE_N, TILE_K = 64, 128" in out and "cutlass.Float16" in out
     assert "in_rstd (M,) f32" in out and "in_gamma (N,) f16" in out
+    _, folded, _ = cli(capsys, "emit", "residual_sumsq", "--tile", "128x256", "--cluster", "2x1", "--finish-in-gemm")
+    assert folded == emit(library.get("residual_sumsq"), KernelConfig(finish_in_gemm=True))
+    assert "arrivals (ceil(M / TILE_M) + ceil(N / TILE_N),) i32" in folded and "use_pdl" not in folded
 
 
 def test_emit_writes_a_python_file(capsys, tmp_path):
