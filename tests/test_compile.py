@@ -109,14 +109,20 @@ def test_compile_samples_name_library_programs():
         assert spilling <= SAMPLES.get(config_name, programs), (config_name, spilling)
 
 
-@pytest.mark.parametrize("name,config_name", CASES)
-def test_library_program_compiles_to_expected_sass(name, config_name, tmp_path):
-    program = library.get(name)
+def _config_named(config_name: str, program) -> KernelConfig:
+    """CONFIGS[config_name], with the runtime's default for ``program`` where it is None."""
     config = CONFIGS[config_name]
     if config is None:
         tile, cluster, schedule = runtime_defaults(program)
         config = KernelConfig(tile=tile, cluster=cluster, schedule=schedule)
         config = config.with_(swizzle=1) if config_name.endswith("unswizzled") else config
+    return config
+
+
+@pytest.mark.parametrize("name,config_name", CASES)
+def test_library_program_compiles_to_expected_sass(name, config_name, tmp_path):
+    program = library.get(name)
+    config = _config_named(config_name, program)
     if config_name == "pingpong192" and name == "qk_rmsnorm":  # 128-column heads do not tile 192 columns
         with pytest.raises(UnsupportedError, match="divide the tile's 192 columns"):
             lower(program, config)
@@ -243,11 +249,7 @@ FOLD_CASES = [("residual_sumsq", "runtime_default"), ("rmsnorm_bwd", "runtime_de
 @pytest.mark.parametrize("name,config_name", FOLD_CASES)
 def test_reductions_finished_in_the_gemm_compile_to_one_kernel_that_counts_tiles_in(name, config_name, tmp_path):
     program = library.get(name)
-    config = CONFIGS[config_name]
-    if config is None:
-        tile, cluster, schedule = runtime_defaults(program)
-        config = KernelConfig(tile=tile, cluster=cluster, schedule=schedule)
-    compiled = compile_program(program, config.with_(finish_in_gemm=True), keep=("sass",),
+    compiled = compile_program(program, _config_named(config_name, program).with_(finish_in_gemm=True), keep=("sass",),
                                dump_dir=tmp_path / "dump", source_dir=tmp_path / "src", report=True)
     sass = compiled.artifacts["sass"].read_text()
     assert compiled.spill_bytes == 0 and "LDL" not in sass and "STL" not in sass, f"{name}: spills"
