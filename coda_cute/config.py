@@ -75,7 +75,7 @@ class KernelConfig:
     #: reductions: the last tile of each row (column) of tiles folds the partials over the tiles,
     #: instead of a second kernel launched after the GEMM: one launch less per call (4-5 us of
     #: host time), but the folds land in the GEMM's last tiles (a few us more of GPU time);
-    #: ``runtime.finish_in_gemm`` says where calls use it
+    #: ``runtime.host_bound`` says which calls use it
     finish_in_gemm: bool = False
 
     def check(self) -> "KernelConfig":
