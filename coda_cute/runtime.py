@@ -354,9 +354,7 @@ class CallPlan:
             args.append(t)
         partials, finished = {}, {}
         if self.partials:  # the kernel writes the partials and finishes them
-            partials, arrivals = self.scratch()
-            if return_partials:
-                partials = self.new_partials()
+            partials, arrivals = (self.new_partials(), self.new_arrivals()) if return_partials else self.scratch()
             for name, shape in self.partials:
                 finished[name] = torch.empty(shape[-1], dtype=torch.float32, device=self.device)
                 args += [partials[name], finished[name]]
