@@ -44,6 +44,9 @@ INPUTS = [
      "block's coda-cute wall times spread 12 %."),
     ("results/archive/2026-12-06j-h100-d2048-mlp-block-70ca0fe.json",
      "On an H100 80GB HBM3: GPU times of a step profiled after 150 ms of steps (2a5a196). 5 rounds."),
+    ("results/archive/2026-12-07-h100-runtime-e30f68b.json",
+     "On an H100 80GB HBM3 whose host compiles 1.6x slower than e9691e1's (our GEMM 1.23 vs 0.77 s): tiny calls "
+     "finish their reductions in the GEMM (4215d1b), so their kernels are the ones compiled and timed."),
     ("results/archive/2026-12-06j-h100-runtime-5eea87e.json",
      "On an H100 80GB HBM3 whose host compiles 1.77x slower than e9691e1's (our GEMM 1.36 vs 0.77 s) and whose "
      "per-call timings were disturbed in this run (cuBLAS 21.1 us per call; 14.0 in three runs right after: "
