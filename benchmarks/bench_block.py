@@ -20,22 +20,26 @@ Per contender (JSON row per case and d; see `measure_case`): wall time (`triton.
 the median step of 300 ms after 150 ms of steps to settle the clock, median over --reps interleaved
 rounds, each starting one contender later; spread = (max - min) / median); GPU time (torch.profiler:
 the sum of the kernels of one step, after 150 ms of steps) split by `kernel_kind` into GEMM /
-attention / coda-cute finish / other, every "other" and "finish" kernel listed with its time; peak
+attention / coda-cute finish / other, every "other" and "finish" kernel listed with its time;
+back-to-back time (`back_to_back`: steps queued one after the other for 300 ms after 150 ms of
+steps, between two CUDA events, no L2 flush: the GPU's throughput at the clock sustained steps
+hold: at the LM head (d = 4096) one profiled step's kernel sum moved by 2 ms between rounds where
+this moved by 0.3, `results/README.md`); peak
 memory of one step above what was allocated before it (weights excluded, their gradients
 included).  Every step starts with the
 gradients set to None (as after `optimizer.zero_grad()`), for timing, profiling and memory alike.
-Per case, the bar: floor + (best torch.compile - floor) / 3, for wall and GPU time, whether each
-coda-cute contender is under it, and its peak memory over the best torch.compile's.
+Per case, the bar: floor + (best torch.compile - floor) / 3, for wall, GPU and back-to-back time,
+whether each coda-cute contender is under it, and its peak memory over the best torch.compile's.
 
 The JSON: {"meta": {date, gpu, torch, commit, command}, "rows": [...]}, a row per (case, d):
     {"d", "case", "what", "tokens", "floor_runs" (what the floor runs), LM only: "vocab", "lean_kwargs",
      "gradient_gib" (h's and the weight's gradients, part of every contender's peak),
-     <contender>: {"ms", "spread", "gpu_ms", "gemm_ms", "attention_ms", "finish_ms", "other_ms", "peak_gib",
+     <contender>: {"ms", "spread", "b2b_ms", "gpu_ms", "gemm_ms", "attention_ms", "finish_ms", "other_ms", "peak_gib",
                    "peak_live": [[GiB, where], ...] (allocated in the step, live at its peak; `peak_live`),
                    "gemm_kernels", "other_kernels", "finish_kernels": [[name, ms], ...] each,
                    checked ones: "rel_err": [output, input gradient]},
-     "bar": {"best_compile": {metric: contender}, "wall_bar_ms", "gpu_bar_ms",
-             <coda-cute contender>: {"under_wall", "under_gpu", "peak_ratio"}},
+     "bar": {"best_compile": {metric: contender}, "wall_bar_ms", "gpu_bar_ms", "b2b_bar_ms",
+             <coda-cute contender>: {"under_wall", "under_gpu", "under_b2b", "peak_ratio"}},
      "warm_up_s": {contender: s}, "dropped": {contender: why}}
 (contenders: coda-cute, coda-cute derived (MLP: the same math as two programs of the user's kind,
 trained with derived backwards through nn.EpilogueChain, the norm's glue torch.compiled), coda-cute lean (LM), torch eager,
@@ -573,6 +577,26 @@ def profile_kernels(contender: Contender) -> list[tuple[str, float]]:
     return [(e.name, e.time_range.elapsed_us() / 1e3) for e in events]
 
 
+def back_to_back(contender: Contender) -> float:
+    """ms per step of steps queued back to back for about TIMED_MS (at least 3 steps), after
+    STEADY_MS of steps, between two CUDA events: no L2 flush between steps and no host wait (the
+    host queues ahead of the GPU), so what the GPU does per step at the clock sustained steps hold."""
+    start, steps = time.perf_counter(), 0
+    while time.perf_counter() - start < STEADY_MS / 1e3:
+        contender()
+        steps += 1
+    torch.cuda.synchronize()
+    per_step = (time.perf_counter() - start) / steps
+    n = max(3, round(TIMED_MS / 1e3 / per_step))
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(n):
+        contender()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / n
+
+
 def _is_gpu_work(event) -> bool:
     """Kernels, memcpy, memset; not the GPU-timeline copies of record_function ranges (user
     annotations) nor synchronization events, which span other work.  (`activity_type` is only
@@ -604,11 +628,12 @@ def measure_case(b: Bench, name: str, d: int) -> dict:
     row.update(time_interleaved(case.contenders, b.args.reps, b.smoke))
     for key, contender in case.contenders.items():
         if b.smoke:
-            row[key].update({k: None for k in ("gpu_ms", "gemm_ms", "attention_ms", "finish_ms", "other_ms")},
+            row[key].update({k: None for k in ("b2b_ms", "gpu_ms", "gemm_ms", "attention_ms", "finish_ms", "other_ms")},
                             peak_gib=None, peak_live=[], gemm_kernels=[], other_kernels=[], finish_kernels=[])
         else:
             row[key]["peak_gib"] = peak_gib(contender)
             row[key]["peak_live"] = peak_live(contender)
+            row[key]["b2b_ms"] = back_to_back(contender)
             kernels = profile_kernels(contender)
             row[key].update(summarize(kernels))
             if b.args.profile:
@@ -625,24 +650,26 @@ def measure_case(b: Bench, name: str, d: int) -> dict:
 
 
 def bar(row: dict) -> dict | None:
-    """floor + (best torch.compile - floor) / 3, in wall and in GPU time; per coda-cute contender
-    whether it is under the bar, and its peak memory over the best (lowest) torch.compile's."""
+    """floor + (best torch.compile - floor) / 3, in wall, GPU and back-to-back time; per coda-cute
+    contender whether it is under the bar, and its peak memory over the best (lowest) torch.compile's."""
     compiled = [k for k in row if k.startswith("torch.compile") and isinstance(row[k], dict)]
     if not compiled or FLOOR not in row:
         return None
     out = {"best_compile": {}}
-    for metric in ("ms", "gpu_ms", "peak_gib"):
-        measured = [k for k in compiled if row[k][metric] is not None]
+    bars = {"ms": "wall_bar_ms", "gpu_ms": "gpu_bar_ms", "b2b_ms": "b2b_bar_ms"}
+    for metric in (*bars, "peak_gib"):
+        measured = [k for k in compiled if row[k].get(metric) is not None]
         best = min(measured, key=lambda k: row[k][metric]) if measured else None
         out["best_compile"][metric] = best
         value, floor = (row[best][metric], row[FLOOR][metric]) if best else (None, None)
-        if metric != "peak_gib":
-            out["wall_bar_ms" if metric == "ms" else "gpu_bar_ms"] = (
-                None if value is None else floor + (value - floor) / 3)
+        if metric in bars:
+            out[bars[metric]] = None if value is None or floor is None else floor + (value - floor) / 3
     for ours in [k for k in row if k.startswith(CODA) and isinstance(row[k], dict)]:
         entry = {}
-        for metric, bar_key, label in (("ms", "wall_bar_ms", "under_wall"), ("gpu_ms", "gpu_bar_ms", "under_gpu")):
-            entry[label] = None if out[bar_key] is None else row[ours][metric] < out[bar_key]
+        for metric, bar_key, label in (("ms", "wall_bar_ms", "under_wall"), ("gpu_ms", "gpu_bar_ms", "under_gpu"),
+                                       ("b2b_ms", "b2b_bar_ms", "under_b2b")):
+            value = row[ours].get(metric)
+            entry[label] = None if out[bar_key] is None or value is None else value < out[bar_key]
         best = out["best_compile"]["peak_gib"]
         entry["peak_ratio"] = row[ours]["peak_gib"] / row[best]["peak_gib"] if best and row[best]["peak_gib"] else None
         out[ours] = entry
@@ -670,10 +697,11 @@ def _fmt(value, spec):
 def print_row(row: dict):
     """The case's contenders: wall, GPU split, memory; coda-cute's non-GEMM kernels summed by name; the bar."""
     print(f"\n== {row['what']}, d={row['d']} (floor: {row['floor_runs']})")
-    print(f"  {'contender':42s} {'wall ms':>9s} {'spread':>7s} {'GPU ms':>9s} {'GEMM':>9s} {'attn':>8s} "
-          f"{'finish':>7s} {'other':>8s} {'peak GiB':>9s}")
+    print(f"  {'contender':42s} {'wall ms':>9s} {'spread':>7s} {'b2b ms':>9s} {'GPU ms':>9s} {'GEMM':>9s} "
+          f"{'attn':>8s} {'finish':>7s} {'other':>8s} {'peak GiB':>9s}")
     for key, v in _contenders(row):
-        print(f"  {key:42s} {v['ms']:9.3f} {v['spread']:6.1%} {_fmt(v['gpu_ms'], '9.3f')} "
+        print(f"  {key:42s} {v['ms']:9.3f} {v['spread']:6.1%} {_fmt(v.get('b2b_ms'), '9.3f')} "
+              f"{_fmt(v['gpu_ms'], '9.3f')} "
               f"{_fmt(v.get('gemm_ms'), '9.3f')} {_fmt(v.get('attention_ms'), '8.3f')} "
               f"{_fmt(v.get('finish_ms'), '7.3f')} {_fmt(v.get('other_ms'), '8.3f')} {_fmt(v['peak_gib'], '9.2f')}")
     for key, v in _contenders(row):
@@ -703,11 +731,13 @@ def _print_bar(row):
         return
     best = b["best_compile"]
     print(f"  bar = floor + (best torch.compile - floor) / 3: wall {_fmt(b['wall_bar_ms'], '.3f')} ms "
-          f"(best: {best['ms']}), GPU {_fmt(b['gpu_bar_ms'], '.3f')} ms (best: {best['gpu_ms']})")
+          f"(best: {best['ms']}), GPU {_fmt(b['gpu_bar_ms'], '.3f')} ms (best: {best['gpu_ms']}), back to back "
+          f"{_fmt(b.get('b2b_bar_ms'), '.3f')} ms (best: {best.get('b2b_ms')})")
     for key, v in _contenders(row):
         if key in b:
             e = b[key]
-            print(f"  {key}: under the bar in wall time: {e['under_wall']}, in GPU time: {e['under_gpu']}; "
+            print(f"  {key}: under the bar in wall time: {e['under_wall']}, in GPU time: {e['under_gpu']}, "
+                  f"back to back: {e.get('under_b2b')}; "
                   f"peak memory / best torch.compile's ({best['peak_gib']}): {_fmt(e['peak_ratio'], '.2f')}")
 
 
@@ -716,15 +746,16 @@ def _contenders(row):
 
 
 def print_summary(rows):
-    print("\n== summary: wall ms / GPU ms / peak GiB")
+    print("\n== summary: wall ms / back-to-back ms / GPU ms / peak GiB")
     for row in rows:
-        cells = "  ".join(f"{k}: {v['ms']:.3f}/{_fmt(v['gpu_ms'], '.3f')}/{_fmt(v['peak_gib'], '.2f')}"
-                          for k, v in _contenders(row))
+        cells = "  ".join(f"{k}: {v['ms']:.3f}/{_fmt(v.get('b2b_ms'), '.3f')}/{_fmt(v['gpu_ms'], '.3f')}/"
+                          f"{_fmt(v['peak_gib'], '.2f')}" for k, v in _contenders(row))
         print(f"{row['case']:5s} d={row['d']:<5d} {cells}")
         if row.get("bar"):
             for key in [k for k in row["bar"] if k.startswith(CODA)]:
                 e = row["bar"][key]
-                print(f"{'':13s}{key} under the bar: wall {e['under_wall']}, GPU {e['under_gpu']}; "
+                print(f"{'':13s}{key} under the bar: wall {e['under_wall']}, back to back {e.get('under_b2b')}, "
+                      f"GPU {e['under_gpu']}; "
                       f"peak ratio {_fmt(e['peak_ratio'], '.2f')}")
 
 

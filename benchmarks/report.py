@@ -7,7 +7,7 @@ Reads result files in the formats the benchmark scripts write:
 - bench_sm90.py: ``{"meta", "rows"}``, a row per op with ``"op"`` and one entry per contender
   (``{"ms", "spread"}``): each fused op against our own GEMM, cuBLAS, eager and torch.compile;
 - bench_block.py: ``{"meta", "rows"}``, a row per case with ``"what"`` (the Llama MLP, block and
-  LM head); a contender may also carry ``gpu_ms`` and ``peak_gib`` (shown) and other keys, such
+  LM head); a contender may also carry ``b2b_ms``, ``gpu_ms`` and ``peak_gib`` (shown) and other keys, such
   as per-kernel lists (ignored);
 - bench_runtime.py: ``{"meta", "kernels", "host_overhead_us"}``: compile, warm-load and per-call
   costs.
@@ -226,10 +226,11 @@ def ops_table(rows: list[dict]) -> list[str]:
 
 
 def block_table(rows: list[dict]) -> list[str]:
-    """One line per case and contender: ms, spread, over torch.compile, and GPU ms / peak GiB when given."""
+    """One line per case and contender: ms, spread, over torch.compile, and back-to-back ms / GPU ms /
+    peak GiB when given."""
     every = [r[k] for r in rows for k in contenders(r)]
-    extra = [(key, label) for key, label in (("gpu_ms", "GPU ms"), ("peak_gib", "peak GiB"))
-             if any(key in c for c in every)]
+    shown = (("b2b_ms", "back-to-back ms"), ("gpu_ms", "GPU ms"), ("peak_gib", "peak GiB"))
+    extra = [(key, label) for key, label in shown if any(key in c for c in every)]
     header = ["case", "contender", "ms", "spread", "x torch.compile"] + [label for _, label in extra]
     out = []
     for r in rows:
@@ -239,7 +240,7 @@ def block_table(rows: list[dict]) -> list[str]:
             c = r[n]
             line = [str(r.get("what") or r.get("case")), n, ms(c["ms"]), pct(c.get("spread")),
                     ratio(c, r.get(compiled)) if compiled else "-"]
-            line += [(ms(c[key]) if key == "gpu_ms" else f"{c[key]:.1f}")
+            line += [(ms(c[key]) if key.endswith("_ms") else f"{c[key]:.1f}")
                      if isinstance(c.get(key), (int, float)) else "-" for key, _ in extra]
             out.append(line)
     return table(header, out)

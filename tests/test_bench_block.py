@@ -78,6 +78,25 @@ def test_summarize(bench):
     assert s["finish_kernels"] == [["coda-cute ResidualSumsqKernel.finish", 7.0]]
 
 
+def test_bar(bench):
+    """floor + (best torch.compile - floor) / 3 per measure; a contender without a measure (an old
+    file, a smoke run) gets None for it, not an error."""
+    def contender(ms, b2b, gpu, peak):
+        return {"ms": ms, "spread": 0.0, "b2b_ms": b2b, "gpu_ms": gpu, "peak_gib": peak}
+
+    row = {"floor": contender(10.0, 9.0, 8.0, 0.5), "torch.compile": contender(13.0, 12.0, 11.0, 1.0),
+           "torch.compile max-autotune-no-cudagraphs": contender(12.4, 12.3, 11.6, 1.2),
+           "coda-cute": contender(10.7, 10.1, 9.2, 0.9), "coda-cute lean": {"ms": 10.9, "spread": 0.0, "gpu_ms": 8.9,
+                                                                          "peak_gib": 0.4}}
+    b = bench.bar(row)
+    assert b["best_compile"] == {"ms": "torch.compile max-autotune-no-cudagraphs", "gpu_ms": "torch.compile",
+                                 "b2b_ms": "torch.compile", "peak_gib": "torch.compile"}
+    assert (b["wall_bar_ms"], b["b2b_bar_ms"], b["gpu_bar_ms"]) == pytest.approx((10.8, 10.0, 9.0))
+    assert b["coda-cute"] == {"under_wall": True, "under_gpu": False, "under_b2b": False, "peak_ratio": 0.9}
+    assert b["coda-cute lean"]["under_b2b"] is None and b["coda-cute lean"]["under_gpu"] is True
+    assert bench.bar({"coda-cute": row["coda-cute"], "floor": row["floor"]}) is None
+
+
 def test_smoke_run(bench, tmp_path):
     """The command line, every case and contender on the CPU, the JSON it writes."""
     out = tmp_path / "smoke.json"
@@ -96,10 +115,10 @@ def test_smoke_run(bench, tmp_path):
             *ours, "torch eager", *compiled, "floor"]
         for name in ours:
             assert max(row[name]["rel_err"]) < bench.TOLERANCE
-            assert set(row["bar"][name]) == {"under_wall", "under_gpu", "peak_ratio"}
+            assert set(row["bar"][name]) == {"under_wall", "under_gpu", "under_b2b", "peak_ratio"}
         assert row["dropped"] == {}
         for name in [*ours, "torch eager", *compiled, "floor"]:
-            assert {"ms", "spread", "gpu_ms", "peak_gib", "other_kernels", "finish_kernels"} <= set(row[name])
+            assert {"ms", "spread", "b2b_ms", "gpu_ms", "peak_gib", "other_kernels", "finish_kernels"} <= set(row[name])
     assert rows["LM"]["lean_kwargs"] == "save_logits=False" and rows["LM"]["gradient_gib"] > 0
     assert "under the bar in wall time" in result.stdout
 
