@@ -165,7 +165,7 @@ def _finish(ctx: Context, config: KernelConfig) -> None:
     if not ctx.finishes or not config.finish_in_gemm:
         return
     ctx.finish_axes = [axis for axis in ("row", "col") if any(f["axis"] == axis for f in ctx.finishes)]
-    slot = backend(config.arch).epilogue_slot(config)[1]
+    ctx.finish_epilogues, slot = backend(config.arch).epilogue_slot(config)
     state = lambda word: f"finish_state[({word}, {slot})]"  # noqa: E731
     flag, counted_m, counted_n, written_m, written_n = (state(w) for w in range(5))
     partials = ", ".join(f"{f['part']}, {f['out']}" for f in ctx.finishes)
@@ -310,7 +310,6 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
     if program.reductions and config.finish_in_gemm:
         ctx.kernel_params.append("arrivals")
         ctx.kernel_param_decls.append("arrivals: cute.Tensor")
-        ctx.finish_epilogues = backend(config.arch).epilogue_slot(config)[0]
     for op in program.operands:
         name = f"in_{op.name}"
         unread = "" if op.name in read else " (not read by the program)"  # taken, never loaded
