@@ -13,10 +13,10 @@ a ``Fraction`` w, the columns of a value w * N wide; ``TILES``, the CTA tiles a 
 partials run over (along N for a row reduction, along M for a column one); ``2`` (a log-sum-
 exp's running max and sum); ``BLOCKS``, the tile rows plus the tile columns; and an operand
 kind's free extents (``R``, ``P``, any size; ``P`` baked in where the configuration stages a
-table).  Everyone who builds or passes the arguments
-reads this one list: the lowering (the host function's parameters and their docs), compile
-(fake arguments), the runtime's call plan (what a call allocates and in which order it passes
-it) and the torch custom op (its outputs' shapes).
+table).  Everyone who builds or passes the arguments reads this one list: the lowering (the
+host function's parameters and their docs), compile (fake arguments), the runtime's call plan
+(what a call allocates and in which order it passes it) and the torch custom op (its outputs'
+shapes).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ BLOCKS = "BLOCKS"  # the symbol of the arrival counters' count: ceil(M / TILE_M)
 @dataclass(frozen=True)
 class Argument:
     """One host argument.  ``role``: 'a', 'b', 'output' (a tile output), 'partials', 'result'
-    (a reduction's finished values), 'arrivals' (the reductions' counters), 'operand' or 'scalar'; ``of``: the program output or operand
-    it belongs to; ``dtype``: its storage ('bf16', 'f16', 'f32', 'i32'); ``dims``: its extents
-    as symbols (module docstring)."""
+    (a reduction's finished values), 'arrivals' (the reductions' counters), 'operand' or
+    'scalar'; ``of``: the program output or operand it belongs to; ``dtype``: its storage
+    ('bf16', 'f16', 'f32', 'i32'); ``dims``: its extents as symbols (module docstring)."""
 
     name: str
     role: str

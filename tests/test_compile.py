@@ -230,7 +230,8 @@ def test_reductions_are_finished_by_the_last_tile_of_each_row_or_column_of_tiles
     assert "self.finish_sum(part_target_logit, out_target_logit, tile_m * TILE_M, TILE_M, ctidx)" in words
     assert "run_max, run_sum = logsumexp_merge(run_max, run_sum, tile_max, tile_sum)" in words
     assert "total = total + part[(t, i)]" in words
-    both = " ".join(emit(library.get("rmsnorm_bwd"), KernelConfig(finish_in_gemm=True)).split())  # a row dot; dgamma, a column sum
+    # a row dot; dgamma, a column sum
+    both = " ".join(emit(library.get("rmsnorm_bwd"), KernelConfig(finish_in_gemm=True)).split())
     assert both.count("atomic_add(") == 2 and "col_counter = (M + TILE_M - 1) // TILE_M + tile_n" in both
     assert "if (finishing & 2) != 0: # col_sum((acc * x_hat)) self.finish_sum(part_dgamma, out_dgamma, " in both
     plain = emit(library.get("bias_gelu"), KernelConfig(finish_in_gemm=True))
