@@ -186,9 +186,17 @@ def rms_statistics(h: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[to
 
 
 def _rstd(h2: torch.Tensor, sumsq, eps: float) -> torch.Tensor:
-    if sumsq is None:  # the first block: no GEMM produced the statistics (one fp32 reduction over h)
-        sumsq = torch.linalg.vector_norm(h2, dim=-1, dtype=torch.promote_types(h2.dtype, torch.float32)).square()
-    return torch.rsqrt(sumsq.reshape(-1) / h2.shape[-1] + eps)
+    return one_pass(row_rstd, h2)(h2, sumsq, eps)
+
+
+def row_rstd(h: torch.Tensor, sumsq: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm's row statistic rsqrt(mean(h^2) + eps) in fp32, from ``sumsq`` (each row's sum of
+    squares, fp32, as a residual GEMM returns it) or, where that is None (the first block: no GEMM
+    made h), from h by one fp32 reduction.  One kernel either way (`ops.one_pass`), where plain
+    torch ran three (five from h): in a step queued back to back each costs a launch's gap."""
+    if sumsq is None:
+        sumsq = h.float().square().sum(-1)
+    return torch.rsqrt(sumsq.reshape(-1) / h.shape[-1] + eps)
 
 
 def _check_input(who: str, h, sumsq, weight: torch.Tensor, dims: int | None = None) -> None:
@@ -279,29 +287,37 @@ def qkv_gradient(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q: torch.
     dq * q + dk * k + dv * v over the attention inputs q, k, v (a rotation keeps dot products).
     On the GPU `ops.one_pass` compiles it (autograd would concatenate them first, then rotate).
 
-    16-bit gradients are handled as 32-bit words, one pair each (`_pair_words`): Inductor then
-    loads and stores whole words, where pairing single elements made it gather 2-byte values (the
-    pass ran at 1.2-1.4 TB/s on the H100 against 2.8 for a copy of the same tensor)."""
+    Everything is written over one index space, (batch, seq, all heads, pairs), the layout of
+    d_pre and of the QKV buffer q, k, v are views of: the row dot is a reduction over the last two
+    dimensions of the very pairs the rotation reads, so Inductor makes the whole of it one kernel
+    (the row dot taken over attention's (batch, heads, seq, head_dim) order was two more kernels
+    reading dq, q, dk, k, dv and v again).  16-bit gradients are handled as 32-bit words, one
+    pair each (`_pair_words`): Inductor then loads and stores whole words, where pairing single
+    elements made it gather 2-byte values (the pass ran at 1.2-1.4 TB/s on the H100 against 2.8
+    for a copy of the same tensor)."""
     batch, n_q, seq, head_dim = dq.shape
     n_kv = dk.shape[1]
-    c, s = cos[:seq].float()[:, None, :], sin[:seq].float()[:, None, :]  # (seq, 1, pairs)
     words = dq.element_size() == 2
 
-    def back(t: torch.Tensor) -> torch.Tensor:  # (batch, heads, seq, hd) -> (batch, seq, heads, ...) turned back
-        t = t.transpose(1, 2)
-        x0, x1 = _word_halves(_pair_words(t), t.dtype) if words else (t[..., 0::2].float(), t[..., 1::2].float())
-        y0, y1 = x0 * c + x1 * s, x1 * c - x0 * s  # each pair (x0, x1) turned by minus its angle
-        return _halves_word(y0, y1, t.dtype) if words else torch.stack([y0, y1], dim=-1).flatten(-2).to(t.dtype)
+    def pairs(*parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pairs of (batch, heads, seq, head_dim) parts side by side, (batch, seq, heads, pairs) x 2, fp32."""
+        if words:
+            return _word_halves(torch.cat([_pair_words(t.transpose(1, 2)) for t in parts], dim=2), dq.dtype)
+        t = torch.cat([t.transpose(1, 2) for t in parts], dim=2)
+        return t[..., 0::2].float(), t[..., 1::2].float()
 
-    # written into slices of one buffer: torch.compile makes this one pass, where a concatenation
-    # of the three would read and write the gradients twice
-    d_pre = torch.empty(batch, seq, n_q + 2 * n_kv, head_dim // 2 if words else head_dim,
-                        dtype=torch.int32 if words else dq.dtype, device=dq.device)
-    d_pre[:, :, :n_q] = back(dq)
-    d_pre[:, :, n_q:n_q + n_kv] = back(dk)
-    d_pre[:, :, n_q + n_kv:] = _pair_words(dv.transpose(1, 2)) if words else dv.transpose(1, 2)
-    rowdot = sum((g.float() * t.float()).sum(dim=(1, 3)) for g, t in ((dq, q), (dk, k), (dv, v)))
-    return (d_pre.view(dq.dtype) if words else d_pre).reshape(batch * seq, -1), rowdot.reshape(batch * seq)
+    g0, g1 = pairs(dq, dk, dv)
+    p0, p1 = pairs(q, k, v)
+    rowdot = (g0 * p0 + g1 * p1).sum(dim=(2, 3))
+    turned = (torch.arange(n_q + 2 * n_kv, device=dq.device) < n_q + n_kv)[:, None]  # q and k heads, not v's
+    c, s = cos[:seq].float()[:, None, :], sin[:seq].float()[:, None, :]  # (seq, 1, pairs)
+    # each q, k pair (g0, g1) turned by minus its angle; v's as they are (no multiply: an inf stays one)
+    y0, y1 = torch.where(turned, g0 * c + g1 * s, g0), torch.where(turned, g1 * c - g0 * s, g1)
+    if words:
+        d_pre = _halves_word(y0, y1, dq.dtype).view(dq.dtype)
+    else:
+        d_pre = torch.stack([y0, y1], dim=-1).flatten(-2).to(dq.dtype)
+    return d_pre.reshape(batch * seq, -1), rowdot.reshape(batch * seq)
 
 
 def _pair_words(t: torch.Tensor) -> torch.Tensor:
