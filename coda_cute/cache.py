@@ -48,7 +48,6 @@ import json
 import os
 import shutil
 import stat
-import statistics
 import tempfile
 import threading
 import time
@@ -603,6 +602,8 @@ def _time_in_rounds(timed: list[tuple[KernelConfig, CacheEntry]], time_kernel) -
         if samples and time.perf_counter() - start > TUNE_BUDGET_S:
             break
         samples.setdefault(candidate, []).append(float(time_kernel(candidate, entry)))
+    import statistics  # here: a warm load, which never tunes, does not pay for its import
+
     return {c: statistics.median(v) for c, v in samples.items()}
 
 
