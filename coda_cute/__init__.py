@@ -11,8 +11,7 @@ the generator (``config`` to ``cache``: a program becomes a compiled kernel), th
                  and operand kinds (one definition each), the validated program (a typed DAG)
                  and its fingerprint, the user's ``@epilogue`` contract that builds one, and
                  backward programs derived from forward ones (reverse mode over the DAG); all
-                 that ``import coda_cute`` loads, ``derive`` on first use (a process that
-                 loads a kernel from the disk cache never needs it);
+                 that ``import coda_cute`` loads;
 - ``library``    the ready programs in ``epilogues/``, and where the shipped folders are;
 - ``config``     what a kernel is specialized for (arch, GPU, dtypes, majors, tile, cluster);
 - ``signature``  the kernel's host arguments in order, with dtypes and symbolic shapes (read
@@ -41,22 +40,17 @@ the generator (``config`` to ``cache``: a program becomes a compiled kernel), th
 
 from .errors import ArgumentError, CodaError, ProgramError, UnsupportedError
 from .frontend import *  # noqa: F403 - the language: its __all__ (operators, annotations, functions)
+from .derive import derive
 from .program import Program
 from .version import __version__
 
 # Python runs this file before any module of the package, and importing a module must load
 # nothing listed after it: Kernel, run, evaluate and ops (the call side, with torch and the
-# whole generator behind it) are imported when first used, and so is derive (2-3 ms of a warm
-# load's import otherwise).
+# whole generator behind it) are imported when first used.
 _CALL_SIDE = ("Kernel", "evaluate", "ops", "run")
 
 
 def __getattr__(name: str):
-    if name == "derive":
-        from .derive import derive
-
-        globals()["derive"] = derive
-        return derive
     if name not in _CALL_SIDE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import coda_cute.ops  # sets the package's `ops` (`from . import ops` would first ask this function)
@@ -67,4 +61,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_CALL_SIDE, "derive"})
+    return sorted({*globals(), *_CALL_SIDE})
