@@ -181,8 +181,7 @@ def rms_statistics(h: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[to
     """(rstd, h * gamma): the row statistic of RMSNorm, rsqrt(mean(h^2) + eps) in fp32, and h scaled
     by gamma in h's dtype (the next GEMM's input, normalized by rstd in its epilogue), written so
     that one pass over h computes both (`ops.one_pass`)."""
-    hf = h.float()
-    return torch.rsqrt(hf.square().mean(-1) + eps), (hf * gamma.float()).to(h.dtype)
+    return row_rstd(h, None, eps), (h.float() * gamma.float()).to(h.dtype)
 
 
 def _rstd(h2: torch.Tensor, sumsq, eps: float) -> torch.Tensor:
@@ -194,9 +193,8 @@ def row_rstd(h: torch.Tensor, sumsq: torch.Tensor | None, eps: float) -> torch.T
     squares, fp32, as a residual GEMM returns it) or, where that is None (the first block: no GEMM
     made h), from h by one fp32 reduction.  One kernel either way (`ops.one_pass`), where plain
     torch ran three (five from h): in a step queued back to back each costs a launch's gap."""
-    if sumsq is None:
-        sumsq = h.float().square().sum(-1)
-    return torch.rsqrt(sumsq.reshape(-1) / h.shape[-1] + eps)
+    mean_square = h.float().square().mean(-1) if sumsq is None else sumsq.reshape(-1) / h.shape[-1]
+    return torch.rsqrt(mean_square + eps)
 
 
 def _check_input(who: str, h, sumsq, weight: torch.Tensor, dims: int | None = None) -> None:
