@@ -107,7 +107,8 @@ def bind(program: Program, a: torch.Tensor, b: torch.Tensor, operands: dict | No
     for op in program.operands:
         if op.name not in operands:
             raise ArgumentError(f"program {program.name!r} needs operand {op.name!r} ({op.describe()})")
-        bound[op.name] = _bind_operand(op, operands[op.name], batch_shape, m, n, a.device, op.name in indices)
+        bound[op.name] = _bind_operand(op, operands[op.name], batch_shape, m, n, a.shape[-1], a.device,
+                                       op.name in indices)
 
     problem = Problem(program, a2, b, bound, batch_shape)
     _check_widths(problem)
@@ -115,7 +116,7 @@ def bind(program: Program, a: torch.Tensor, b: torch.Tensor, operands: dict | No
     return problem
 
 
-def _bind_operand(op, value, batch_shape, m, n, device, indices: bool):
+def _bind_operand(op, value, batch_shape, m, n, k, device, indices: bool):
     kind = OPERAND_KINDS[op.kind]
     if not kind.is_tensor:
         return kind.bind(op, value, m, None, batch_shape)
@@ -126,6 +127,8 @@ def _bind_operand(op, value, batch_shape, m, n, device, indices: bool):
         raise ArgumentError(f"operand {op.name!r} has dtype {value.dtype}; expected bfloat16, float16 or float32{also}")
     if value.device != device:
         raise ArgumentError(f"operand {op.name!r} is on {value.device} but A is on {device}")
+    if op.kind == "kvec":
+        return kind.bind(op, value, m, k, batch_shape)
     cols = None if op.width is None else n * op.width
     if cols is not None and cols.denominator != 1:
         raise ArgumentError(
@@ -157,9 +160,9 @@ def _check_indices(problem: Problem) -> None:
         tensor = problem.operands[name]
         exact = _EXACT_INTEGERS.get(tensor.dtype)
         for axis, width in axes:
-            count = problem.m if axis == "row" else problem.cols(width)
+            count = problem.m if axis == "row" else problem.k if axis == "k" else problem.cols(width)
             if exact is not None and count - 1 > exact:
-                what = "M" if axis == "row" else "the columns"
+                what = {"row": "M", "k": "K"}.get(axis, "the columns")
                 raise ArgumentError(
                     f"operand {name!r} ({tensor.dtype}) is compared with {axis} indices up to {count - 1}, but "
                     f"{tensor.dtype} holds integers exactly only up to {exact}; pass it as int32 (or float32 while "
@@ -246,7 +249,7 @@ def check_kernel_arguments(problem: Problem, given: dict | None = None) -> None:
                 f"operand {op.name!r} (a {kind.annotation}, {tuple(t.shape)}, strides {t.stride()}) must have unit "
                 "column stride, 16-byte aligned rows and a 16-byte aligned data pointer"
             )
-        if kind.staging == "vector" and t.stride(0) != 1 and t.shape[0] > 1:
+        if kind.staging in ("vector", "transform") and t.stride(0) != 1 and t.shape[0] > 1:
             raise ArgumentError(f"operand {op.name!r} (a {kind.annotation}, strides {t.stride()}) must be contiguous")
         if kind.staging == "gather" and t.stride(1) != 1 and t.shape[1] > 1:
             raise ArgumentError(f"operand {op.name!r} (a {kind.annotation}, strides {t.stride()}) must have unit "
@@ -276,8 +279,12 @@ def random_call(program: Program, m: int, n: int, k: int, dtype: torch.dtype, de
         if op.kind == "scalar":
             operands[op.name] = 1.0
         elif op.name in indices:
-            operands[op.name] = torch.randint(0, cols or n, (m if op.kind == "row" else cols,), dtype=torch.int32,
-                                              device=device)
+            (axis, _), = indices[op.name][:1]
+            high = {"row": m, "k": k}.get(axis, cols or n)
+            length = {"row": m, "kvec": k}.get(op.kind, cols)
+            operands[op.name] = torch.randint(0, high, (length,), dtype=torch.int32, device=device)
+        elif op.kind == "kvec":
+            operands[op.name] = torch.rand(k, device=device) + 0.5
         elif op.kind == "row":
             operands[op.name] = torch.rand(m, device=device) + 0.5
         elif op.kind == "col":

@@ -160,6 +160,9 @@ def derive(program: Program, *, wrt: Iterable[str] | None = None, outputs: Itera
     pre-activation's storage dtype; ``rebuild_output``: with ``"upstream"``, also rebuild
     ``grad_of`` where the backward reads the pre-activation anyway (``Derivative.recomputed``).
     Raises ProgramError naming what cannot be derived."""
+    if program.a_transform is not None:
+        raise ProgramError(f"program {program.name!r} transforms A ({program.a_transform}); derivation covers "
+                           "epilogues of a plain product only")
     plain = (wrt, outputs, accumulator, grad_of, save_dtype, name, rebuild_output) == \
         (None, None, None, None, "in", None, False)
     deriver = _Deriver(program, wrt, outputs, accumulator, grad_of, save_dtype, name, plain)

@@ -277,20 +277,24 @@ FILE_MODULE_PREFIX = "coda_cute_file_"
 class EpilogueFunction(ir.Program):
     """A Program traced from a Python function; keeps the function to re-trace variants."""
 
-    def __init__(self, fn: typing.Callable, constants: dict, name: str, operands, outputs, origin: str | None):
+    def __init__(self, fn: typing.Callable, constants: dict, name: str, operands, outputs, origin: str | None,
+                 a_transform: str | None = None):
         self.fn, self.constants = fn, dict(constants)
-        super().__init__(name, operands, outputs, doc=inspect.getdoc(fn) or "", origin=origin)
+        super().__init__(name, operands, outputs, doc=inspect.getdoc(fn) or "", origin=origin, a_transform=a_transform)
 
     def with_constants(self, **values) -> "EpilogueFunction":
         """A variant of this program with some compile-time constants changed."""
-        return _trace(self.fn, self.name, {**self.constants, **values}, origin=None)
+        return _trace(self.fn, self.name, {**self.constants, **values}, origin=None, a_transform=self.a_transform)
 
 
-def epilogue(fn=None, *, name: str | None = None, **constants):
-    """Trace ``fn(acc, operand: Kind, ..., *, const=default)`` into a validated Program."""
+def epilogue(fn=None, *, name: str | None = None, a_transform: str | None = None, **constants):
+    """Trace ``fn(acc, operand: Kind, ..., *, const=default)`` into a validated Program.
+
+    ``a_transform`` names a map applied to A before the product (``primitives.A_TRANSFORMS``,
+    e.g. "softmax_grad"): ``acc = f(A) @ B.T``; its operands are parameters of ``fn`` by name."""
     if fn is None:
-        return lambda f: epilogue(f, name=name, **constants)
-    return _trace(fn, fn.__name__ if name is None else name, constants, origin=_origin(fn))
+        return lambda f: epilogue(f, name=name, a_transform=a_transform, **constants)
+    return _trace(fn, fn.__name__ if name is None else name, constants, origin=_origin(fn), a_transform=a_transform)
 
 
 def _origin(fn) -> str | None:
@@ -308,7 +312,7 @@ def _origin(fn) -> str | None:
     return f"{module}:{qualname}"
 
 
-def _trace(fn, name: str, overrides: dict, origin: str | None) -> EpilogueFunction:
+def _trace(fn, name: str, overrides: dict, origin: str | None, a_transform: str | None = None) -> EpilogueFunction:
     sig = inspect.signature(fn)
     try:
         hints = typing.get_type_hints(fn)
@@ -346,7 +350,7 @@ def _trace(fn, name: str, overrides: dict, origin: str | None) -> EpilogueFuncti
     result, local_names = _call_recording_locals(fn, args, consts)
     outputs = _collect_outputs(name, result)
     _name_values(local_names, [o.node for o in outputs])
-    return EpilogueFunction(fn, consts, name, operands, outputs, origin)
+    return EpilogueFunction(fn, consts, name, operands, outputs, origin, a_transform)
 
 
 def _collect_outputs(name: str, result) -> list[ir.Output]:

@@ -32,7 +32,7 @@ from fractions import Fraction
 from .backends.registry import backend
 from .config import SMEM_BYTES, KernelConfig
 from .errors import UnsupportedError
-from .primitives import ELEMENTWISE
+from .primitives import A_TRANSFORMS, ELEMENTWISE
 from .program import Node, Program, reads_as_index, width_str
 from .signature import host_arguments, operand_dtype, storage
 from .spelling import CUTE_DTYPES, DTYPE_BYTES, IDENTITY, combine, reduce_term
@@ -56,6 +56,8 @@ class Context:
     tile_inputs: list = field(default_factory=list)
     vectors: list = field(default_factory=list)
     views: list = field(default_factory=list)
+    # the A transform (sm90_mainloop.py.j2): its name, where tokens run ('row' or 'k'), its operands' kernel names
+    a_transform: dict | None = None
     body: list = field(default_factory=list)
     tile_prologue: list = field(default_factory=list)
     subtile_prologue: list = field(default_factory=list)
@@ -213,6 +215,15 @@ def _finish(ctx: Context, config: KernelConfig) -> None:
 
 # ----------------------------------------------------------------------------- checks
 def _check_supported(program: Program, config: KernelConfig) -> None:
+    if program.a_transform is not None:
+        # a 16-byte vector of A in smem holds one token's values: A's contiguous dimension is the classes'
+        wanted = "k" if program.tokens_along == "row" else "m"
+        if config.majors[0] != wanted:
+            token = "row of A" if program.tokens_along == "row" else "index of K"
+            raise UnsupportedError(
+                f"program {program.name!r} transforms A with a token per {token}; A must be {wanted.upper()}-major "
+                f"(majors '{wanted}?', got {config.majors!r}): its classes contiguous, e.g. "
+                + ("the logits (tokens, classes) as stored" if wanted == "k" else "the logits' transpose, logits.t()"))
     for out in program.reductions:
         if out.axis == "col" and out.node.width != ONE:
             raise UnsupportedError(
@@ -270,9 +281,11 @@ def _class_name(name: str) -> str:
 # ----------------------------------------------------------------------------- tensors and smem
 def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> None:
     tile_m, tile_n = backend(config.arch).cta_tile(config.tile)
-    read = {node.attrs[0] for node in program.nodes if node.op == "load"}
+    read = {node.attrs[0] for node in program.nodes if node.op == "load"}  # by the epilogue
+    transform_reads = A_TRANSFORMS[program.a_transform].operands if program.a_transform else ()
     for arg in host_arguments(program, config)[2:]:  # after a and b
-        unread = "" if arg.role not in ("operand", "scalar") or arg.of in read else " (not read by the program)"
+        unread = ("" if arg.role not in ("operand", "scalar") or arg.of in read or arg.of in transform_reads
+                  else " (not read by the program)")
         annotation = "cutlass.Float32" if arg.role == "scalar" else "cute.Tensor"
         ctx.host_params.append(dict(name=arg.name, annotation=annotation, doc=arg.doc() + unread))
     for out in program.tile_outputs:
@@ -310,6 +323,13 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
     if program.reductions and config.finish_in_gemm:
         ctx.kernel_params.append("arrivals")
         ctx.kernel_param_decls.append("arrivals: cute.Tensor")
+    if transform_reads:
+        # the template keeps each of this thread's tokens' values in a register array a_<operand>
+        values = {name: f"a_{name}[token]" for name in transform_reads}
+        ctx.a_transform = dict(name=program.a_transform, tokens=program.tokens_along,
+                               operands=[dict(name=name, gmem=f"in_{name}", reg=f"a_{name}",
+                                              index=name == "target", log2=name == "lse") for name in transform_reads],
+                               math=A_TRANSFORMS[program.a_transform].cute.format(a="a_value", cls="a_class", **values))
     for op in program.operands:
         name = f"in_{op.name}"
         unread = "" if op.name in read else " (not read by the program)"  # taken, never loaded
@@ -320,7 +340,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
                 ctx.kernel_param_decls.append(f"{name}: cutlass.Float32")
             continue
         dtype = operand_dtype(config, op.name)
-        if unread:
+        if unread and op.name not in transform_reads:
             continue
         if staging == "ring":
             staged = op.staging == "gather"  # a table staged in smem (stage_tables)
@@ -344,7 +364,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
             continue
         ctx.kernel_params.append(name)
         ctx.kernel_param_decls.append(f"{name}: cute.Tensor")
-        if staging == "vector":
+        if staging == "vector" and not unread:
             is_row = op.width is None  # one value per row, else one per column of its width
             elems = tile_m if is_row else int(tile_n * op.width)
             base = "row0" if is_row else {HALF: "col0 // 2", ONE: "col0", TWO: "2 * col0"}[op.width]

@@ -53,7 +53,8 @@ class PrecompileResult:
 def _plain(program: Program) -> Program:
     """A picklable copy (the @epilogue subclass keeps its Python function, which may not pickle)
     that still names itself the same way in its kernel's header."""
-    return Program(program.name, program.operands, program.outputs, program.doc, origin=program_reference(program))
+    return Program(program.name, program.operands, program.outputs, program.doc, origin=program_reference(program),
+                   a_transform=program.a_transform)
 
 
 def _compile_one(program: Program, config: KernelConfig,

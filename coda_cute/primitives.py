@@ -208,6 +208,7 @@ STAGINGS = {
     "vector": "the tile's slice copied into shared memory once per tile, read through a broadcast view",
     "ring": "subtiles brought by TMA through a shared-memory ring, a warp ahead of the epilogue",
     "gather": "read from global memory element by element, a subtile ahead (or staged in a ring)",
+    "transform": "read from global memory by the A transform as the mainloop loads A; never by the epilogue",
 }
 
 _F32_MAX = 3.4028234663852886e38
@@ -364,7 +365,66 @@ class _Table(OperandKind):
         return value[r[:, None], c[None, :]]
 
 
-OPERAND_KINDS: dict[str, OperandKind] = {kind.name: kind for kind in (_RowVec(), _ColVec(), _Tile(), _Scalar(), _Table())}
+class _KVec(OperandKind):
+    """One value per index of the GEMM's K dimension, read by an A transform (``A_TRANSFORMS``)
+    as A is loaded: the LM head's weight gradient dW = dlogits.T @ h runs over the tokens along K."""
+
+    name = "kvec"
+    annotation = "KVec"
+    width = None
+    dims = ("K",)
+    staging = "transform"
+    holds_indices = True
+
+    def describe(self, width):
+        return "(K,), read by the A transform"
+
+    def bind(self, op, value, rows, cols, batch_shape):  # cols: K, for this kind (arguments.bind)
+        shape = tuple(value.shape)
+        if shape != (cols,):
+            raise ArgumentError(f"operand {op.name!r} is a KVec: expected shape ({cols},) (one value per index of "
+                                f"K), got {shape}")
+        return value
+
+    def read(self, value, rows, cols, device):
+        return value
+
+
+OPERAND_KINDS: dict[str, OperandKind] = {kind.name: kind for kind in (_RowVec(), _ColVec(), _Tile(), _Scalar(), _Table(),
+                                                                      _KVec())}
+
+
+# --------------------------------------------------------------------------- A transforms
+@dataclass(frozen=True)
+class ATransform:
+    """A fixed elementwise map applied to the GEMM's A operand in shared memory, after TMA has
+    loaded a stage and before the WGMMAs read it: ``acc = f(A) @ B.T``, f(A) rounded to the input
+    dtype.  Each element a = A[i, k] belongs to one token t and one class c: t = i, c = k when
+    the program's ``operands`` are RowVecs (A is tokens x classes); t = k, c = i when they are
+    KVecs (A is classes x tokens).  ``reference(a, c, *operand values at t)`` is the math on
+    fp32 tensors; the templates implement it (sm90_mainloop.py.j2)."""
+
+    name: str
+    operands: tuple[str, ...]
+    reference: Callable
+    #: its CuTe-DSL code on one element: ``{a}`` (fp32), ``{cls}`` (int32) and each operand's value
+    #: at the element's token, ``{lse}`` already in log2 units (lse * log2 e, scaled as it is loaded)
+    cute: str
+    doc: str
+
+
+def _softmax_gradient(a, cls, lse, target, dloss):
+    return (torch.exp(a - lse) - (cls == target).to(a.dtype)) * dloss
+
+
+A_TRANSFORMS: dict[str, ATransform] = {t.name: t for t in [
+    ATransform("softmax_grad", ("lse", "target", "dloss"), _softmax_gradient,
+               cute="(cute.math.exp2({a} * LOG2_E - {lse}, fastmath=True) - cutlass.select_({cls} == {target}, 1.0, 0.0))"
+                    " * {dloss}",
+               doc="cross-entropy's gradient of stored logits a: (exp(a - lse[t]) - [c == target[t]]) * dloss[t] "
+                   "(lse: the token's log-sum-exp; target: its class, int32, outside [0, classes) for none; "
+                   "dloss: its loss's gradient)"),
+]}
 
 
 def annotations_text(prefix: str = "cc.", last: str = " or ") -> str:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from .errors import ProgramError
-from .primitives import COMPARISONS, ELEMENTWISE, OPERAND_KINDS, WIDTHS, annotations_text, width_str
+from .primitives import A_TRANSFORMS, COMPARISONS, ELEMENTWISE, OPERAND_KINDS, WIDTHS, annotations_text, width_str
 
 #: Bumped whenever the meaning of a serialized program changes.
 IR_VERSION = 1
@@ -256,8 +256,10 @@ class Program:
     """A validated epilogue program.  Build one with ``@coda_cute.epilogue``."""
 
     def __init__(self, name: str, operands: list[Operand], outputs: list[Output], doc: str = "", *,
-                 origin: str | None = None, derived_from: "Program | None" = None):
+                 origin: str | None = None, derived_from: "Program | None" = None, a_transform: str | None = None):
         self.name = check_name(name, "program")
+        # the map applied to A before the product (primitives.A_TRANSFORMS), or None
+        self.a_transform = a_transform
         if not isinstance(doc, str):
             raise ProgramError(f"program {name!r}: its docstring must be a str, got {type(doc).__name__}")
         if origin is not None and not isinstance(origin, str) or not isinstance(derived_from, (Program, type(None))):
@@ -330,8 +332,44 @@ class Program:
         operands = {op.name: op for op in self.operands}
         for node in _walk([o.node for o in self.outputs]):
             _check_node(node, operands)
+            if node.op == "load" and operands[node.attrs[0]].kind == "kvec":
+                raise ProgramError(f"operand {node.attrs[0]!r} is a KVec (one value per index of K): only an A "
+                                   "transform reads it, the epilogue cannot")
         for out in self.outputs:
             self._validate_output(out)
+        self._validate_a_transform(operands)
+
+    def _validate_a_transform(self, operands: dict[str, Operand]) -> None:
+        kvecs = [name for name, op in operands.items() if op.kind == "kvec"]
+        if self.a_transform is None:
+            if kvecs:
+                raise ProgramError(f"program {self.name!r}: KVec operand(s) {kvecs} are read by an A transform, and "
+                                   "the program has none (epilogue(a_transform=...))")
+            return
+        if not isinstance(self.a_transform, str) or self.a_transform not in A_TRANSFORMS:
+            raise ProgramError(f"program {self.name!r}: A transform {self.a_transform!r} is unknown; known: "
+                               f"{', '.join(A_TRANSFORMS)}")
+        needs = A_TRANSFORMS[self.a_transform].operands
+        missing = [name for name in needs if name not in operands]
+        kinds = {operands[name].kind for name in needs if name in operands}
+        if missing or len(kinds) != 1 or kinds - {"row", "kvec"}:
+            raise ProgramError(
+                f"program {self.name!r}: A transform {self.a_transform!r} reads operands {', '.join(needs)}, all "
+                "RowVecs (a token per row of A) or all KVecs (a token per index of K)"
+                + (f"; missing: {', '.join(missing)}" if missing else
+                   f"; got {', '.join(f'{n}: {operands[n].kind}' for n in needs)}"))
+        stray = sorted(set(kvecs) - set(needs))
+        if stray:
+            raise ProgramError(f"program {self.name!r}: KVec operand(s) {stray} are not read by A transform "
+                               f"{self.a_transform!r} (it reads {', '.join(needs)})")
+
+    @property
+    def tokens_along(self) -> str | None:
+        """Where an A transform finds each element's token: 'row' (A's row, RowVec operands) or
+        'k' (A's index of K, KVec operands); None without a transform."""
+        if self.a_transform is None:
+            return None
+        return "k" if self.operand(A_TRANSFORMS[self.a_transform].operands[0]).kind == "kvec" else "row"
 
     def _validate_output(self, out: Output) -> None:
         node = out.node
@@ -376,6 +414,8 @@ class Program:
             "nodes": nodes,
             "outputs": [[o.name, index[id(o.node)], o.dtype, o.reduce, o.axis] for o in self.outputs],
         }
+        if self.a_transform is not None:  # absent otherwise: programs without one keep their fingerprints
+            doc["a_transform"] = self.a_transform
         return json.dumps(doc, separators=(",", ":"), sort_keys=True)
 
     def describe(self) -> str:
@@ -383,6 +423,10 @@ class Program:
         lines = [f"program {self.name}  (fingerprint {self.fingerprint[:16]})"]
         if self.doc:
             lines += ["  " + self.doc.strip().splitlines()[0]]
+        if self.a_transform is not None:
+            axis = "A's row" if self.tokens_along == "row" else "A's index of K"
+            lines.append(f"A transform: acc = {self.a_transform}(A) @ B.T, a token per {axis}")
+            lines.append(f"  {A_TRANSFORMS[self.a_transform].doc}")
         lines.append("operands:")
         lines += [f"  {op.describe()}" for op in self.operands] or ["  (accumulator only)"]
         lines.append("values:")
@@ -437,7 +481,8 @@ def reads_as_index(node: Node, arg: Node) -> bool:
 
 def index_operands(program: "Program") -> dict[str, tuple[tuple[str, Fraction | None], ...]]:
     """Row and column vectors compared with coordinates, by name: for each, the coordinates it is
-    compared with, ('row', None) or ('col', width).  Such a vector holds indices (class targets),
+    compared with, ('row', None) or ('col', width), or A's index of K, ('k', None), for the
+    target of an A transform that runs over A's rows.  Such a vector holds indices (class targets),
     so its dtype must hold every index of that coordinate exactly (arguments.bind checks)."""
     found: dict[str, dict] = {}  # dicts as ordered sets: the program's order, no sort (torch.compile traces this)
     for node in program.nodes:
@@ -448,6 +493,8 @@ def index_operands(program: "Program") -> dict[str, tuple[tuple[str, Fraction | 
                 for coord in _walk([other]) if other is not arg else ():
                     if coord.op in ("row", "col"):
                         found.setdefault(arg.attrs[0], {})[(coord.op, coord.width)] = None
+    if program.a_transform is not None:  # its target: a class index, A's index of K or its row
+        found.setdefault("target", {})[("k", None) if program.tokens_along == "row" else ("row", None)] = None
     return {name: tuple(axes) for name, axes in found.items()}
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from .arguments import Problem, bind
 from .errors import ArgumentError
-from .primitives import COMPARISONS, ELEMENTWISE, OPERAND_KINDS
+from .primitives import A_TRANSFORMS, COMPARISONS, ELEMENTWISE, OPERAND_KINDS
 from .program import Node, Program, reads_as_index
 
 _IDENTITY = {"sum": 0.0, "sumsq": 0.0, "max": -math.inf, "maxabs": 0.0}
@@ -87,7 +87,7 @@ def evaluate_problem(problem: Problem, *, tile: tuple[int, int] = (128, 128),
         acc = acc.to(precision)
     else:
         with _full_precision_matmul():
-            acc = problem.a.to(precision) @ problem.b.to(precision).t()
+            acc = transformed_a(problem).to(precision) @ problem.b.to(precision).t()
     values = _Evaluator(problem, acc).run()
     result = ReferenceResult(acc=acc)
     exact = precision == torch.float64
@@ -107,6 +107,23 @@ def evaluate_problem(problem: Problem, *, tile: tuple[int, int] = (128, 128),
             raise ValueError(f"tile {tile} does not split into whole tiles of width {out.node.width}*N")
         result.partials[out.name] = partials(full, out.reduce, out.axis, int(tile_len))
     return result
+
+
+def transformed_a(problem: Problem) -> torch.Tensor:
+    """A as the product reads it: the program's A transform applied in fp32 (a token per row of
+    A, or per index of K) and rounded to A's dtype, as the kernel rounds it in shared memory."""
+    program = problem.program
+    if program.a_transform is None:
+        return problem.a
+    transform = A_TRANSFORMS[program.a_transform]
+    a = problem.a.float()
+    per_row = program.tokens_along == "row"
+    tokens = [problem.operands[name].reshape(-1) for name in transform.operands]
+    tokens = [t[:, None] if per_row else t[None, :] for t in tokens]
+    cls = torch.arange(a.shape[1] if per_row else a.shape[0], device=a.device)
+    cls = cls[None, :] if per_row else cls[:, None]
+    values = [t.float() if t.is_floating_point() else t for t in tokens]
+    return transform.reference(a, cls, *values).to(problem.a.dtype)
 
 
 class _Evaluator:

@@ -40,3 +40,21 @@ def cross_entropy_bwd(acc, lse: cc.RowVec, target: cc.RowVec, dloss: cc.RowVec):
     """
     prob = cc.exp(acc - lse)
     return cc.where(acc.col == target, prob - 1.0, prob) * dloss
+
+
+@cc.epilogue(a_transform="softmax_grad")
+def cross_entropy_dh(acc, lse: cc.RowVec, target: cc.RowVec, dloss: cc.RowVec):
+    """dh of the LM head from the logits the forward stored: A = the logits (tokens, vocab), B =
+    the weight read as (d, vocab), so acc = dlogits @ W.
+
+    The mainloop turns each logit into its gradient, (exp(logit - lse) - onehot(target)) * dloss,
+    as A is loaded (the A transform softmax_grad, a token per row): the logits stay as stored.
+    """
+    return acc
+
+
+@cc.epilogue(a_transform="softmax_grad")
+def cross_entropy_dw(acc, lse: cc.KVec, target: cc.KVec, dloss: cc.KVec):
+    """dW of the LM head from the logits the forward stored: A = the logits' transpose (vocab,
+    tokens), B = h read as (d, tokens), so acc = dlogits.T @ h; a token per index of K."""
+    return acc

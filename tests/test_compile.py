@@ -430,7 +430,7 @@ def test_values_said_to_be_zero_past_n_are_zero_there_in_the_reference():
                 operands[op.name] = 0.7
                 continue
             cols = int(n * (op.width or 1))
-            shape = {"row": (m,), "col": (cols,), "tile": (m, cols), "table": (4, 16)}[op.kind]
+            shape = {"row": (m,), "col": (cols,), "tile": (m, cols), "table": (4, 16), "kvec": (k,)}[op.kind]
             value = torch.randn(*shape, generator=gen) * 3
             if op.kind in ("col", "tile") and op.width == ONE:
                 value[..., n - pad:] = 0

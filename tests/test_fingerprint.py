@@ -82,7 +82,7 @@ def test_same_program_traced_twice():
     assert first.with_constants().fingerprint == first.fingerprint
     assert first.with_constants(eps=1e-6, cols=48).fingerprint == first.fingerprint  # the defaults again
     for name, prog in library.programs().items():
-        retraced = cc.epilogue(prog.fn, name=name)
+        retraced = cc.epilogue(prog.fn, name=name, a_transform=prog.a_transform)
         assert retraced.fingerprint == prog.fingerprint, name
 
 

@@ -24,7 +24,7 @@ from coda_cute.config import KernelConfig
 from coda_cute.errors import ArgumentError
 from coda_cute.library import resource_dir
 from coda_cute.lower import lower
-from coda_cute.primitives import ELEMENTWISE, OPERAND_KINDS, STAGINGS, TYPINGS, WIDTHS, width_str
+from coda_cute.primitives import A_TRANSFORMS, ELEMENTWISE, OPERAND_KINDS, STAGINGS, TYPINGS, WIDTHS, width_str
 from coda_cute.program import Node, Output, Program, make_const, make_elementwise
 
 OPS = list(ELEMENTWISE.values())
@@ -162,7 +162,7 @@ def _emulated_dsl() -> dict:
     def min_max(nan, num):
         return lambda x, y, propagate_nan=False, ftz=False: (nan if propagate_nan else num)(x, y)
     cute_math = SimpleNamespace(min=min_max(np.minimum, np.fmin), max=min_max(np.maximum, np.fmax), abs=abs,
-                                exp=with_fastmath(np.exp), log=with_fastmath(np.log),
+                                exp=with_fastmath(np.exp), exp2=with_fastmath(np.exp2), log=with_fastmath(np.log),
                                 sqrt=lambda x, approx=False, ftz=False: np.sqrt(x), rsqrt=lambda x: 1.0 / np.sqrt(x),
                                 tanh=np.tanh, erf=math.erf, rcp=lambda x, approx=False, ftz=False: 1.0 / x,
                                 div=lambda x, y, full=False, approx=False, ftz=False: x / y)
@@ -208,12 +208,32 @@ def test_cute_code_computes_the_reference(op):
             assert both_nan or math.isclose(got, expected, rel_tol=2e-6, abs_tol=1e-6), (op.name, sample, got)
 
 
+@pytest.mark.parametrize("transform", list(A_TRANSFORMS.values()), ids=list(A_TRANSFORMS))
+def test_a_transform_cute_code_computes_the_reference(transform):
+    """An A transform's CuTe code (the mainloop's, on one element; ``lse`` scaled to log2 units as
+    the template loads it) agrees with its torch reference, on the class that is the target and
+    on others."""
+    names, rng = _emulated_dsl(), np.random.default_rng(0)
+    names["LOG2_E"] = 1.4426950408889634
+    assert transform.operands == ("lse", "target", "dloss")  # the sampling below
+    for _ in range(64):
+        a, lse, dloss = (float(rng.uniform(-6.0, 6.0)) for _ in range(3))
+        target, cls = (int(v) for v in rng.integers(0, 3, 2))
+        code = transform.cute.format(a="a", cls="cls", lse="lse2", target="target", dloss="dloss")
+        got = eval(code, names, dict(a=np.float64(a), cls=CInt(cls), lse2=np.float64(lse * names["LOG2_E"]),
+                                     target=CInt(target), dloss=np.float64(dloss)))
+        expected = transform.reference(torch.tensor(a), torch.tensor(cls), torch.tensor(lse), torch.tensor(target),
+                                       torch.tensor(dloss))
+        assert math.isclose(got, expected.item(), rel_tol=1e-5, abs_tol=1e-6), (a, cls, lse, target, dloss)
+
+
 # --------------------------------------------------------------------------- operand kinds
 def _widths(kind) -> list:
     return [None] if kind.width is None else list(WIDTHS)
 
 
-CASES = [(kind, width) for kind in KINDS for width in _widths(kind)]
+# the kinds an epilogue reads (a KVec is read by an A transform only: tests/test_a_transform.py)
+CASES = [(kind, width) for kind in KINDS if kind.staging != "transform" for width in _widths(kind)]
 CASE_IDS = [f"{kind.name}-{width_str(width)}" for kind, width in CASES]
 
 
@@ -248,7 +268,8 @@ def value_of(kind, width, m: int, n: int, gen):
 @pytest.mark.parametrize("kind", KINDS, ids=[kind.name for kind in KINDS])
 def test_kind_entry_is_complete(kind):
     assert OPERAND_KINDS[kind.name] is kind and kind.staging in STAGINGS
-    assert set(kind.dims) <= {"M", "W", "R", "P"} and ("W" in kind.dims) <= (kind.width is not None)
+    assert set(kind.dims) <= {"M", "W", "R", "P", "K"} and ("W" in kind.dims) <= (kind.width is not None)
+    assert ("K" in kind.dims) == (kind.staging == "transform")  # indices of K: only A transforms see them
     assert kind.annotation in frontend.__all__ and getattr(cc, kind.annotation).kind == kind.name
 
 

@@ -102,7 +102,13 @@ def _compile_and_check(name, program, config, tmp_path):
 @pytest.mark.parametrize("name", sorted(library.programs()))
 def test_library_program_compiles_for_sm100(name, shape, tmp_path):
     tile, cluster = SHAPES[shape]
-    _compile_and_check(name, library.get(name), BLACKWELL.with_(tile=tile, cluster=cluster), tmp_path)
+    config = BLACKWELL.with_(tile=tile, cluster=cluster)
+    if library.get(name).a_transform is not None:  # the LM head's backward GEMMs: sm_90a only, said so
+        majors = "kn" if library.get(name).tokens_along == "row" else "mn"  # as the LM head passes them
+        with pytest.raises(UnsupportedError, match="transforms A .* sm_100a kernels do not yet"):
+            lower(library.get(name), config.with_(majors=majors))
+        return
+    _compile_and_check(name, library.get(name), config, tmp_path)
 
 
 @pytest.mark.compile

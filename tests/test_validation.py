@@ -574,7 +574,7 @@ def test_unsupported_or_missing_annotation():
         return acc + bias
 
     with raises_program(r"program 'prog': parameter 'bias' needs an operand annotation "
-                        r"\(cc.RowVec, cc.ColVec, cc.Tile, cc.Scalar or cc.Table\), got none"):
+                        r"\(cc.RowVec, cc.ColVec, cc.Tile, cc.Scalar, cc.Table or cc.KVec\), got none"):
         trace(no_annotation)
 
     def torch_annotation(acc, bias: torch.Tensor):

@@ -263,6 +263,9 @@ def check_supported(program: Program, config: KernelConfig) -> None:
     if config.schedule != "cooperative":
         raise UnsupportedError(f"schedule {config.schedule!r} is not built for {arch}: its warp-specialized "
                                "kernel runs the epilogue beside the MMAs already (use cooperative)")
+    if program.a_transform is not None:
+        raise UnsupportedError(f"program {program.name!r} transforms A ({program.a_transform}) as it is loaded; "
+                               f"{arch} kernels do not yet (sm_90a kernels do)")
     if ACC_STAGES * config.tile[1] > TMEM_COLUMNS:
         raise UnsupportedError(f"tile {config.tile}: {ACC_STAGES} accumulators exceed {TMEM_COLUMNS} TMEM columns")
 
