@@ -515,3 +515,41 @@ def test_maxima_are_nan_where_torch_amax_is(schedule, in_gemm):
             assert_close(name, value[finite], want[name][finite], *REDUCTION_TOLERANCE)
         nan_rows, nan_cols = int(got["rmax"].isnan().sum()), int(got["cmax"].isnan().sum())
         assert (nan_rows, nan_cols) == ((1, 528) if operand == "a" else (300, 1))
+
+
+@pytest.mark.parametrize("tile,cluster,schedule", [
+    ((128, 256), (1, 2), "cooperative"), ((128, 256), (2, 1), "cooperative"), ((256, 128), (2, 1), "cooperative"),
+    ((64, 256), (1, 1), "cooperative"), ((128, 128), (1, 2), "pingpong"), ((64, 128), (2, 1), "pingpong"),
+])
+@pytest.mark.parametrize("name", ["cross_entropy_dh", "cross_entropy_dw"])
+def test_lm_head_gradients_from_stored_logits(name, tile, cluster, schedule):
+    """The A transform on a real head's logits (tokens, vocab), as linear_cross_entropy's backward
+    passes them: dh reads them as stored (K-major) against the weight read as (d, vocab); dW their
+    transpose (M-major) against h read as (d, tokens). Ragged tokens, vocab and d; ignored rows;
+    against the reference interpreter and against torch's own gradient of the stored logits."""
+    from coda_cute.nn import cross_entropy_grad
+
+    tokens, vocab, d = 1000, 1032, 264
+    gen = torch.Generator().manual_seed(tile[0] + tile[1] + len(schedule))
+    h = torch.randn(tokens, d, generator=gen).bfloat16().cuda()
+    w = (torch.randn(vocab, d, generator=gen) * 3 / d ** 0.5).bfloat16().cuda()
+    logits = h @ w.t()
+    lse = torch.logsumexp(logits.float(), -1)
+    target = torch.randint(0, vocab, (tokens,), generator=gen, dtype=torch.int32).cuda()
+    target[::7] = -1
+    dloss = (target >= 0).float() / (target >= 0).sum()
+    program = library.get(name)
+    a, b = (logits, w.t()) if name == "cross_entropy_dh" else (logits.t(), h.t())
+    operands = dict(lse=lse, target=target, dloss=dloss)
+    kernel = Kernel(program, tile=tile, cluster=cluster, schedule=schedule)
+    views, buffers = poisoned_outputs(program, a.shape[0], d, torch.bfloat16)
+    got = kernel(a, b, out=views, **operands)
+    torch.cuda.synchronize()
+    assert kernel.last.path == "kernel" and kernel.launches == 1, "the generated kernel did not run"
+    check_guard("D", buffers["D"], a.shape[0], d)
+    ref = cc.evaluate(program, a, b, operands).outputs["D"]
+    scale = ref.float().abs().max().item()
+    assert_close("D", got, ref, 2e-2 * scale, 2e-2)
+    dlogits = cross_entropy_grad(logits, lse, target.clamp(min=0), dloss).float()
+    want = dlogits @ w.float() if name == "cross_entropy_dh" else dlogits.t() @ h.float()
+    assert_close("D (torch's gradient)", got, want, 2e-2 * scale, 2e-2)
