@@ -325,11 +325,12 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
         ctx.kernel_param_decls.append("arrivals: cute.Tensor")
     if transform_reads:
         # the template keeps each of this thread's tokens' values in a register array a_<operand>
+        transform = A_TRANSFORMS[program.a_transform]
         values = {name: f"a_{name}[token]" for name in transform_reads}
         ctx.a_transform = dict(name=program.a_transform, tokens=program.tokens_along,
-                               operands=[dict(name=name, gmem=f"in_{name}", reg=f"a_{name}",
-                                              index=name == "target", log2=name == "lse") for name in transform_reads],
-                               math=A_TRANSFORMS[program.a_transform].cute.format(a="a_value", cls="a_class", **values))
+                               operands=[dict(name=name, gmem=f"in_{name}", reg=f"a_{name}", index=name == transform.classes,
+                                              log2=name in transform.log2) for name in transform_reads],
+                               math=transform.cute.format(a="a_value", cls="a_class", **values))
     for op in program.operands:
         name = f"in_{op.name}"
         unread = "" if op.name in read else " (not read by the program)"  # taken, never loaded

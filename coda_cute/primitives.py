@@ -408,9 +408,11 @@ class ATransform:
     operands: tuple[str, ...]
     reference: Callable
     #: its CuTe-DSL code on one element: ``{a}`` (fp32), ``{cls}`` (int32) and each operand's value
-    #: at the element's token, ``{lse}`` already in log2 units (lse * log2 e, scaled as it is loaded)
+    #: at the element's token, the ``log2`` operands' already in log2 units (times log2 e, as loaded)
     cute: str
     doc: str
+    classes: str = ""  # the operand holding class indices (compared with the element's class, int32)
+    log2: tuple[str, ...] = ()
 
 
 def _softmax_gradient(a, cls, lse, target, dloss):
@@ -420,7 +422,7 @@ def _softmax_gradient(a, cls, lse, target, dloss):
 A_TRANSFORMS: dict[str, ATransform] = {t.name: t for t in [
     ATransform("softmax_grad", ("lse", "target", "dloss"), _softmax_gradient,
                cute="(cute.math.exp2({a} * LOG2_E - {lse}, fastmath=True) - cutlass.select_({cls} == {target}, 1.0, 0.0))"
-                    " * {dloss}",
+                    " * {dloss}", classes="target", log2=("lse",),
                doc="cross-entropy's gradient of stored logits a: (exp(a - lse[t]) - [c == target[t]]) * dloss[t] "
                    "(lse: the token's log-sum-exp; target: its class, int32, outside [0, classes) for none; "
                    "dloss: its loss's gradient)"),

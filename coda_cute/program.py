@@ -493,8 +493,9 @@ def index_operands(program: "Program") -> dict[str, tuple[tuple[str, Fraction | 
                 for coord in _walk([other]) if other is not arg else ():
                     if coord.op in ("row", "col"):
                         found.setdefault(arg.attrs[0], {})[(coord.op, coord.width)] = None
-    if program.a_transform is not None:  # its target: a class index, A's index of K or its row
-        found.setdefault("target", {})[("k", None) if program.tokens_along == "row" else ("row", None)] = None
+    if program.a_transform is not None:  # its class indices: A's index of K, or its row
+        classes = A_TRANSFORMS[program.a_transform].classes
+        found.setdefault(classes, {})[("k", None) if program.tokens_along == "row" else ("row", None)] = None
     return {name: tuple(axes) for name, axes in found.items()}
 
 
