@@ -76,7 +76,7 @@ SAMPLES = {
     "pingpong192": {"gemm", "bias_gelu", "swiglu", "residual_sumsq", "rms_scale_gamma", "cross_entropy_stats",
                     "qk_rmsnorm", "rmsnorm_bwd", "rmsnorm_bwd_residual", "cross_entropy_stats_save"},
     # 256-row tiles: two 64-row blocks per thread for row vectors and reductions, column sums over
-    # both, 2N-wide words, row log-sum-exp (which spills there)
+    # both, 2N-wide words, row log-sum-exp (four rows' running max and sum per thread)
     "rows256": {"gemm", "residual_sumsq", "rmsnorm_bwd", "swiglu_bwd", "cross_entropy_stats"},
     # the unswizzled walk only drops swizzled_tile: a plain GEMM, a tile input with a reduction,
     # and the two ping-pong defaults (2N-wide, table gathers)
