@@ -76,7 +76,7 @@ SAMPLES = {
     "pingpong192": {"gemm", "bias_gelu", "swiglu", "residual_sumsq", "rms_scale_gamma", "cross_entropy_stats",
                     "qk_rmsnorm", "rmsnorm_bwd", "rmsnorm_bwd_residual", "cross_entropy_stats_save"},
     # 256-row tiles: two 64-row blocks per thread for row vectors and reductions, column sums over
-    # both, 2N-wide words, row log-sum-exp (four rows' running max and sum per thread)
+    # both, 2N-wide words, row log-sum-exp (which spills there)
     "rows256": {"gemm", "residual_sumsq", "rmsnorm_bwd", "swiglu_bwd", "cross_entropy_stats"},
     # the unswizzled walk only drops swizzled_tile: a plain GEMM, a tile input with a reduction,
     # and the two ping-pong defaults (2N-wide, table gathers)
@@ -89,10 +89,14 @@ CASES = [(name, config_name) for name in _lowerable(KernelConfig()) for config_n
 # Epilogues that keep more values live than the registers ping-pong leaves beside a warpgroup's
 # whole-tile accumulator: correct but spilling there, and the runtime never picks ping-pong for
 # them (README, "Limits today").  The test fails when one stops spilling, to keep the list true.
+# cross_entropy_stats_save: a running log-sum-exp per row beside the stored logits' subtile (at
+# 128x128 too, by 28 bytes, since its logits are rounded a column pair at a time: round_pair).
+# cross_entropy_stats at 256x128: 8 bytes, its running max and sum for four rows per thread.
 # swiglu_bwd_recompute in cooperative tiles (8-48 bytes): its row dot beside three outputs, one
 # of them 2N wide, within the 168 registers a cooperative kernel is compiled for; its default is
 # ping-pong 128x192, which holds it.
-SPILLS_AT = {"pingpong192": {"rmsnorm_bwd", "rmsnorm_bwd_residual"},
+SPILLS_AT = {"pingpong192": {"rmsnorm_bwd", "rmsnorm_bwd_residual", "cross_entropy_stats_save"},
+             "pingpong128": {"cross_entropy_stats_save"}, "rows256": {"cross_entropy_stats"},
              "cluster2x1": {"swiglu_bwd_recompute"}, "single_cta": {"swiglu_bwd_recompute"}}
 
 

@@ -185,11 +185,11 @@ def test_cli_shows_the_decided_kernel_and_precompile_decides(cache_dir, tmp_path
     assert done.stdout.split("\n")[0] == "(128, 256) disk []"
 
 
-# four whose rules' choice is ping-pong 128x192 (where seed 5 spills and the epilogues of seeds 11
-# and 34 run latency-bound), two cooperative 128x256
+# four whose rules' choice is ping-pong 128x192 (where seed 34 spills and seed 11's epilogue runs
+# latency-bound), two cooperative 128x256
 SAMPLE_SEEDS = (1, 5, 11, 34, 0, 3)
-SPILLING_SEEDS = {5}  # so the sample shows a decision made, not only kept
-LATENCY_SEEDS = {11, 34}  # bench_programs' random_11: 1.88x our GEMM at ping-pong 128x192, 1.04x at 128x128
+SPILLING_SEEDS = {5, 34}  # so the sample shows a decision made, not only kept
+LATENCY_SEEDS = {11}  # bench_programs' random_11: 1.88x our GEMM at ping-pong 128x192, 1.04x at 128x128
 
 
 @pytest.mark.parametrize("seed", SAMPLE_SEEDS)

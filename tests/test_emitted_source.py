@@ -84,3 +84,53 @@ def test_wrapping_changes_only_whitespace():
                          for text in (head, "\n".join(part.strip() if k == 0 else part[indent:]
                                                       for k, part in enumerate(wrapped.splitlines()))))
         assert before == after, wrapped
+
+
+def test_the_online_log_sum_exp_helpers_equal_torch_nan_and_padding_included():
+    """The emitted logsumexp_update / _merge, run on numpy stand-ins that follow the hardware's
+    NaN rules (min and max ignore a NaN unless told to pass it on), fold rows with -inf padding,
+    rows of padding only and rows with a NaN as torch.logsumexp does, in any split of a row."""
+    import math
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from coda_cute import epilogue, row_logsumexp
+
+    @epilogue
+    def lse(acc):
+        return {"l": row_logsumexp(acc)}
+
+    source = emit(lse, KernelConfig())
+    helpers = "\n".join(re.findall(r"^def (?:where|logsumexp_\w+)\(.*?(?=^\S)", source, re.M | re.S))
+    pick = lambda keep_nan, ignore: lambda x, y, propagate_nan=False, ftz=False: (  # noqa: E731
+        keep_nan if propagate_nan else ignore)(np.float32(x), np.float32(y))
+    math_ = SimpleNamespace(max=pick(np.maximum, np.fmax), min=pick(np.minimum, np.fmin), abs=np.abs,
+                            exp=lambda x, fastmath=False: np.exp(np.float32(x)))
+    namespace = {"cute": SimpleNamespace(math=math_),
+                 "cutlass": SimpleNamespace(Float32=np.float32, select_=lambda c, a, b: a if c else b)}
+    exec(helpers, namespace)
+    update, merge = namespace["logsumexp_update"], namespace["logsumexp_merge"]
+    rng = np.random.default_rng(5)
+    rows = [rng.standard_normal(37) * 8, np.concatenate([rng.standard_normal(20), np.full(9, -np.inf)]),
+            np.full(6, -np.inf), np.array([3.0, np.nan, -1.0]), np.array([np.nan, 2.0]), np.array([-np.inf, np.nan])]
+    with np.errstate(invalid="ignore"):  # -inf - (-inf), which the kernel meets too
+        for row in rows:
+            want = torch.logsumexp(torch.tensor(row, dtype=torch.float64), 0).item()
+            for split in (len(row), 1, 2):  # one running pair, or partials merged
+                parts = []
+                for start in range(0, len(row), split):
+                    run = (np.float32(-np.inf), np.float32(0.0))
+                    for value in row[start:start + split]:
+                        run = update(*run, np.float32(value))
+                    parts.append(run)
+                top, total = parts[0]
+                for other in parts[1:]:
+                    top, total = merge(top, total, *other)
+                got = (top if top != -np.inf else 0.0) + math.log(total) if total > 0 else (
+                    float("nan") if np.isnan(total) else -math.inf)
+                if math.isnan(want):
+                    assert math.isnan(got), (row, split)
+                else:
+                    assert got == pytest.approx(want, rel=1e-5, abs=1e-5), (row, split)

@@ -548,8 +548,7 @@ def test_the_segment_reductions_equal_the_reference_when_run_on_cpu_stand_ins(ki
             col += epi_n * namespace["subtile"]  # the tile's accumulator column (N/2: c // 2)
             stored[self.name][:, col // 2 if paired else col] = value
 
-    math = SimpleNamespace(max=lambda x, y, propagate_nan=False: np.maximum(x, y),
-                           min=lambda x, y, propagate_nan=False: np.minimum(x, y), abs=np.abs,
+    math = SimpleNamespace(max=lambda x, y, propagate_nan=False: np.maximum(x, y), abs=np.abs,
                            exp=lambda x, fastmath=False: np.exp(x), log=lambda x, fastmath=False: np.log(x))
     namespace = dict(
         EPI_N=epi_n, TILE_N=tile_n, EPI_SUBTILES=tile_n // epi_n, ctidx=np.arange(threads), row0=0, col0=0, M=tile_m,
@@ -634,8 +633,7 @@ def test_the_row_reductions_equal_the_reference_when_run_on_cpu_stand_ins(tile):
         def fill(self, value):
             self.values = [value] * len(self.values)
 
-    math = SimpleNamespace(max=lambda x, y, propagate_nan=False: max(x, y),
-                           min=lambda x, y, propagate_nan=False: min(x, y), abs=abs,
+    math = SimpleNamespace(max=lambda x, y, propagate_nan=False: max(x, y), abs=abs,
                            exp=lambda x, fastmath=False: float(np.exp(x)),
                            log=lambda x, fastmath=False: float(np.log(x)))
     code = lambda lines: compile("\n".join(lines), "epilogue", "exec")  # noqa: E731
