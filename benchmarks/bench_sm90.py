@@ -4,7 +4,7 @@ raster) and shared-memory split is fastest for it?
 
     python benchmarks/bench_sm90.py [--d 4096] [--reps 5] [--out results.json]
         [--compile-modes default max-autotune-no-cudagraphs] [--ops SwiGLU ...] [--quack] [--variants]
-        [--tree LABEL=DIR ...]
+        [--tree LABEL=DIR ...] [--vocab 128256]
 
 Each op is timed with triton.testing.do_bench (median of ~100 ms of launches, L2 flushed
 between launches) for every contender, interleaved, `--reps` times; the table gives the
@@ -71,7 +71,7 @@ def swiglu_bwd_torch(dh, preact):
     return torch.stack([dg, du], -1).flatten(-2).to(dh.dtype)
 
 
-def ops_for(d: int, m: int, rope_positions: int = 4096):
+def ops_for(d: int, m: int, rope_positions: int = 4096, vocab: int = 0):
     ffn, qkv = SHAPES[d]
     bf = torch.bfloat16
     dev = "cuda"
@@ -121,6 +121,10 @@ def ops_for(d: int, m: int, rope_positions: int = 4096):
     ops.append(("gate/up dgrad + RMSNorm bwd, all of dx", library.get("rmsnorm_bwd_rowdot"), dz_gate_up,
                 w(2 * ffn, d).t(), {"x": x, "rstd": rstd, "gamma": gamma, "dresidual": dy, "rowdot": rowdot,
                                     "inv_n": 1.0 / d}, _rms_bwd_rowdot))
+    if vocab:  # the LM head's forward: the logits stored, their log-sum-exp and target logit per row
+        target = torch.randint(0, vocab, (m,), device=dev, dtype=torch.int32)
+        ops.append(("LM head GEMM + cross-entropy stats + logits", library.get("cross_entropy_stats_save"), x,
+                    w(vocab, d), {"target": target}, _cross_entropy_stats_save))
     return ops
 
 
@@ -207,6 +211,12 @@ def _rms_swiglu_save(y, rstd):
     return {"D": _swiglu(z), "preact": z}
 
 
+def _cross_entropy_stats_save(a, b, target):
+    logits = a @ b.t()
+    return {"logits": logits, "lse": torch.logsumexp(logits.float(), -1),
+            "target_logit": logits.float().gather(1, target.long()[:, None])[:, 0]}
+
+
 def _swiglu(y):
     return (F.silu(y[:, 0::2].float()) * y[:, 1::2].float()).to(y.dtype)
 
@@ -244,13 +254,16 @@ def main():
     parser.add_argument("--rope-positions", type=int, default=4096,
                         help="rows (positions) of the RoPE ops' cos/sin tables; 1 is a diagnostic: every row reads "
                              "the same 64 values, so the epilogue's table loads hit L1 and move no L2 traffic")
+    parser.add_argument("--vocab", type=int, default=0,
+                        help="also time the LM head's forward GEMM (cross_entropy_stats_save) at this vocabulary, "
+                             "e.g. 128256 (0: not)")
     args = parser.parse_args()
     from triton.testing import do_bench
 
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
     for d in args.d:
-        for name, program, a, b, operands, fn in ops_for(d, args.m, args.rope_positions):
+        for name, program, a, b, operands, fn in ops_for(d, args.m, args.rope_positions, args.vocab):
             if args.ops and not any(o in name for o in args.ops):
                 continue
             kernel = cc.Kernel(program)
