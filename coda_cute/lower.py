@@ -333,15 +333,15 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
                                math=transform.cute.format(a="a_value", cls="a_class", **values))
     for op in program.operands:
         name = f"in_{op.name}"
-        unread = "" if op.name in read else " (not read by the program)"  # taken, never loaded
+        in_epilogue = op.name in read
         staging = _staging(op, config)
         if staging == "argument":
-            if not unread:
+            if in_epilogue:
                 ctx.kernel_params.append(name)
                 ctx.kernel_param_decls.append(f"{name}: cutlass.Float32")
             continue
         dtype = operand_dtype(config, op.name)
-        if unread and op.name not in transform_reads:
+        if not in_epilogue and op.name not in transform_reads:  # taken, never loaded
             continue
         if staging == "ring":
             staged = op.staging == "gather"  # a table staged in smem (stage_tables)
@@ -365,7 +365,7 @@ def _declare_tensors(ctx: Context, program: Program, config: KernelConfig) -> No
             continue
         ctx.kernel_params.append(name)
         ctx.kernel_param_decls.append(f"{name}: cute.Tensor")
-        if staging == "vector" and not unread:
+        if staging == "vector" and in_epilogue:  # the A transform reads its own values from global memory
             is_row = op.width is None  # one value per row, else one per column of its width
             elems = tile_m if is_row else int(tile_n * op.width)
             base = "row0" if is_row else {HALF: "col0 // 2", ONE: "col0", TWO: "2 * col0"}[op.width]
