@@ -408,15 +408,31 @@ def latency_bound(config: KernelConfig, instructions: int | None) -> bool:
             and instructions > limit * _accumulators(config))
 
 
+#: The largest stack frame (bytes per thread) that is no reason against a kernel: ptxas parks a
+#: few values live across the whole epilogue there, stored once as a tile's epilogue starts and
+#: loaded once at its end, not in its per-element code.  cross_entropy_stats_save at ping-pong
+#: 128x192 (24 bytes: five stores and five loads in its SASS, around the unrolled epilogue) ran
+#: 12.89 ms against 14.01 at its spill-free cooperative 128x256 (H100, the LM head's forward,
+#: 8192 x 128256 x 4096, benchmarks/results "The LM head's forward on ping-pong"); the
+#: spills that cost time were hundreds of bytes (RMSNorm's backward at 128x192: 160 and 208,
+#: 39 and 57 stores, in the element loop)
+SPILL_TOLERATED_BYTES = 24
+
 #: each ``rejection`` in words, as `precompile` and `inspect` tell it
 REASONS = {"spills": "it spills", "latency-bound": "its epilogue runs latency-bound there"}
 
 
+def spills(stack_frame_bytes: int | None) -> bool:
+    """Whether a kernel with that stack frame (None: unknown, taken as none) spills more than the
+    few values SPILL_TOLERATED_BYTES leaves to ptxas."""
+    return bool(stack_frame_bytes) and stack_frame_bytes > SPILL_TOLERATED_BYTES
+
+
 def rejection(config: KernelConfig, stack_frame_bytes: int | None, instructions: int | None) -> str | None:
     """Why a kernel of ``config`` with that stack frame and SASS length (None: unknown) is not run
-    as a default: "spills", "latency-bound" (``latency_bound``, checked only where it does not
-    spill), or None where nothing speaks against it."""
-    if stack_frame_bytes:
+    as a default: "spills" (``spills``), "latency-bound" (``latency_bound``, checked only where it
+    does not spill), or None where nothing speaks against it."""
+    if spills(stack_frame_bytes):
         return "spills"
     return "latency-bound" if latency_bound(config, instructions) else None
 
@@ -481,7 +497,7 @@ def get_default_kernel(program: Program, config: KernelConfig) -> DefaultKernel:
                 chosen = candidate
                 break
         else:  # none without a reason against it: the first that does not spill, else the rules' choice
-            chosen, entry = next(((c, e) for c, e in tried if not e.stack_frame_bytes), tried[0])
+            chosen, entry = next(((c, e) for c, e in tried if not spills(e.stack_frame_bytes)), tried[0])
         _DEFAULTS[key] = chosen
         _write_default(program, config, key, chosen, tried)
     return DefaultKernel(chosen, entry, tried)
@@ -648,7 +664,7 @@ def get_tuned_kernel(program: Program, config: KernelConfig, shape: tuple[int, i
         if chosen is not None:
             return TunedKernel(chosen, get_kernel(program, chosen), {})
         built = [(c, get_kernel(program, c)) for c in candidates if c is config or _lowers(program, c)]
-        timed = [(c, e) for c, e in built if not e.stack_frame_bytes] or built
+        timed = [(c, e) for c, e in built if not spills(e.stack_frame_bytes)] or built
         times = _time_in_rounds(timed, time_kernel)
         chosen = min(times, key=times.get)
         _TUNED[record] = chosen

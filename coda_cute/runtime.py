@@ -208,7 +208,7 @@ class Kernel:
         ``problem`` on the GPU, the fastest candidate there (``cache.get_tuned_kernel``); where this
         Kernel fixes none of tile, cluster and schedule, the rules' choice unless it spills or runs
         latency-bound (``cache.get_default_kernel``); else exactly ``config``, with a SpillWarning where it spills."""
-        from .cache import get_default_kernel, get_kernel, get_tuned_kernel
+        from .cache import get_default_kernel, get_kernel, get_tuned_kernel, spills
 
         if self.autotune and problem is not None and problem.a.is_cuda:
             tuned = get_tuned_kernel(self.program, config, (problem.m, problem.n, problem.k),
@@ -218,7 +218,7 @@ class Kernel:
             default = get_default_kernel(self.program, config)
             return default.config, default.entry
         entry = get_kernel(self.program, config)
-        if entry.stack_frame_bytes:
+        if spills(entry.stack_frame_bytes):
             warnings.warn(f"{self.program.name}: the kernel at {config.describe()} spills registers "
                           f"({entry.stack_frame_bytes} bytes of stack frame per thread); with tile, cluster and "
                           "schedule left unset, calls run a configuration that does not spill where one exists",
@@ -532,15 +532,17 @@ def _pingpong_tile(m: int, n: int, sms: int) -> tuple[int, int]:
 
 def _heavy_epilogue(program) -> bool:
     """Whether the epilogue reads or writes 2N-wide tiles (SwiGLU backward), reads tables
-    (RoPE), or writes more than N columns per row without reading tile inputs (SwiGLU with its
-    saved pre-activation: N/2 + N), and has no segment reductions (whose segments, e.g.
-    128-column heads, need not divide 192 columns)."""
+    (RoPE), writes more than N columns per row without reading tile inputs (SwiGLU with its
+    saved pre-activation: N/2 + N), or folds each row into a log-sum-exp (cross-entropy's
+    statistics: two exponentials per element), and has no segment reductions (whose segments,
+    e.g. 128-column heads, need not divide 192 columns)."""
     tables = any(op.kind == "table" for op in program.operands)
     wide = any(op.kind == "tile" and op.width == 2 for op in program.operands)
     wide = wide or any(out.node.width == 2 for out in program.tile_outputs)
     tile_inputs = any(op.kind == "tile" for op in program.operands)
     wide_stores = not tile_inputs and sum(out.node.width for out in program.tile_outputs) > 1
-    return (tables or wide or wide_stores) and not program.uses("segreduce")
+    logsumexp = any(out.reduce == "logsumexp" and out.axis == "row" for out in program.reductions)
+    return (tables or wide or wide_stores or logsumexp) and not program.uses("segreduce")
 
 
 # ----------------------------------------------------------------------------- checks
