@@ -55,13 +55,16 @@ import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from . import library
 from .backends.registry import backend
 from .config import KernelConfig
 from .errors import UnsupportedError
 from .program import Program
+
+if TYPE_CHECKING:
+    from .compile import CompiledKernel
 
 ENV_DIR = "CODA_CUTE_CACHE_DIR"
 ENV_DISABLE = "CODA_CUTE_NO_DISK_CACHE"
@@ -84,6 +87,7 @@ class CacheEntry:
     seconds: float  # compile or load time
     stack_frame_bytes: int | None = None  # CompiledKernel.stack_frame_bytes, kept in the manifest
     instructions: int | None = None  # CompiledKernel.instructions, kept in the manifest
+    local_accesses: int | None = None  # CompiledKernel.local_accesses, kept in the manifest
 
 
 _MEMORY: dict[str, CacheEntry] = {}
@@ -302,11 +306,13 @@ def _load(folder: Path, key: str) -> CacheEntry | None:
         from cutlass.cute.runtime import load_module
 
         function = load_module(str(folder / "kernel.o"), enable_tvm_ffi=True)["func"]
-        frame, instructions = (manifest.get(field) for field in ("stack_frame_bytes", "instructions"))
+        frame, instructions, accesses = (manifest.get(field) for field in
+                                         ("stack_frame_bytes", "instructions", "local_accesses"))
         frame = frame if type(frame) is int and frame >= 0 else None
         instructions = instructions if type(instructions) is int and instructions > 0 else None
+        accesses = accesses if type(accesses) is int and accesses >= 0 else None
         return CacheEntry(key, function, source.decode(), "disk", folder, time.perf_counter() - start, frame,
-                          instructions)
+                          instructions, accesses)
     except Exception:  # unreadable, half-written, or refused by the loader: rebuilt by the lock holder
         return None
 
@@ -317,7 +323,7 @@ def _compile(program: Program, config: KernelConfig, key: str) -> CacheEntry:
     with _COMPILE_LOCK:
         compiled = compile_program(program, config, tvm_ffi=True)
     return CacheEntry(key, compiled.function, compiled.source, "compiled", None, compiled.compile_seconds,
-                      compiled.stack_frame_bytes, compiled.instructions)
+                      compiled.stack_frame_bytes, compiled.instructions, compiled.local_accesses)
 
 
 def _store(entry: CacheEntry, program: Program, config: KernelConfig, folder: Path) -> None:
@@ -337,6 +343,7 @@ def _store(entry: CacheEntry, program: Program, config: KernelConfig, folder: Pa
                 "compile_seconds": round(entry.seconds, 3),
                 "stack_frame_bytes": entry.stack_frame_bytes,
                 "instructions": entry.instructions,
+                "local_accesses": entry.local_accesses,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "object_sha256": _sha256(staging / "kernel.o"),
                 "source_sha256": hashlib.sha256(entry.source.encode()).hexdigest(),
@@ -376,9 +383,8 @@ def _sha256(path: Path) -> str:
 #: cluster and schedule runs the first of these (tile, schedule) that does not (get_default_kernel):
 #: cooperative 128x256 leads for large outputs (and a GLU with its saved pre-activation ran 5 %
 #: faster there, spill-free, than spilling at ping-pong 128x192); ping-pong 128x192 leads for heavy
-#: epilogues up to K = 4096 and gives its consumers 240 registers (the SwiGLU backward spills at
-#: both cooperative tiles, not there); cooperative 128x128 holds the fewest accumulators per
-#: thread (64) of the tiles the runtime picks itself
+#: epilogues up to K = 4096 and gives its consumers 240 registers; cooperative 128x128 holds the
+#: fewest accumulators per thread (64) of the tiles the runtime picks itself
 SPILL_FALLBACKS = (((128, 256), "cooperative"), ((128, 192), "pingpong"), ((128, 128), "cooperative"))
 
 
@@ -408,33 +414,35 @@ def latency_bound(config: KernelConfig, instructions: int | None) -> bool:
             and instructions > limit * _accumulators(config))
 
 
-#: The largest stack frame (bytes per thread) that is no reason against a kernel: ptxas parks a
-#: few values live across the whole epilogue there, stored once as a tile's epilogue starts and
-#: loaded once at its end, not in its per-element code.  cross_entropy_stats_save at ping-pong
-#: 128x192 (24 bytes: five stores and five loads in its SASS, around the unrolled epilogue) ran
-#: 12.89 ms against 14.01 at its spill-free cooperative 128x256 (H100, the LM head's forward,
-#: 8192 x 128256 x 4096, benchmarks/results "The LM head's forward on ping-pong"); the
-#: spills that cost time were hundreds of bytes (RMSNorm's backward at 128x192: 160 and 208,
-#: 39 and 57 stores, in the element loop)
-SPILL_TOLERATED_BYTES = 24
+#: The most loads and stores of local memory (spill code: ``CompiledKernel.local_accesses``) a
+#: kernel's SASS may hold and still run as a default.  The epilogue is unrolled, so each runs
+#: about once per tile: a few values ptxas parks while the epilogue needs their registers.  H100,
+#: benchmarks/results "Spills that cost nothing": cross_entropy_stats_save at ping-pong 128x192
+#: (10: a 24-byte frame stored as the epilogue starts, loaded at its end) ran 12.60 ms against
+#: 13.63 at its spill-free cooperative 128x256 (8192 x 128256 x 4096); swiglu_bwd_recompute at
+#: cooperative 128x256 (14, frame 24-32 bytes by ptxas version) 5.84 against 6.03 at its
+#: spill-free ping-pong 128x192 (8192 x 28672 x 8192).  RMSNorm's backward at ping-pong 128x192,
+#: which runs slower, holds 78 (rmsnorm_bwd_residual 114)
+SPILL_TOLERATED_ACCESSES = 16
 
 #: each ``rejection`` in words, as `precompile` and `inspect` tell it
 REASONS = {"spills": "it spills", "latency-bound": "its epilogue runs latency-bound there"}
 
 
-def spills(stack_frame_bytes: int | None) -> bool:
-    """Whether a kernel with that stack frame (None: unknown, taken as none) spills more than the
-    few values SPILL_TOLERATED_BYTES leaves to ptxas."""
-    return bool(stack_frame_bytes) and stack_frame_bytes > SPILL_TOLERATED_BYTES
+def spills(kernel: CacheEntry | CompiledKernel) -> bool:
+    """Whether ``kernel`` spills registers in more places than SPILL_TOLERATED_ACCESSES: it has a
+    stack frame (unknown: taken as none) and more spill code than that, or spill code not counted."""
+    accesses = kernel.local_accesses
+    return bool(kernel.stack_frame_bytes) and (accesses is None or accesses > SPILL_TOLERATED_ACCESSES)
 
 
-def rejection(config: KernelConfig, stack_frame_bytes: int | None, instructions: int | None) -> str | None:
-    """Why a kernel of ``config`` with that stack frame and SASS length (None: unknown) is not run
-    as a default: "spills" (``spills``), "latency-bound" (``latency_bound``, checked only where it
-    does not spill), or None where nothing speaks against it."""
-    if spills(stack_frame_bytes):
+def rejection(config: KernelConfig, kernel: CacheEntry | CompiledKernel) -> str | None:
+    """Why ``kernel``, built for ``config``, is not run as a default: "spills" (``spills``),
+    "latency-bound" (``latency_bound`` of its SASS length, checked only where it does not spill),
+    or None where nothing speaks against it."""
+    if spills(kernel):
         return "spills"
-    return "latency-bound" if latency_bound(config, instructions) else None
+    return "latency-bound" if latency_bound(config, kernel.instructions) else None
 
 
 def default_candidates(config: KernelConfig, latency: bool = False) -> list[KernelConfig]:
@@ -486,18 +494,18 @@ def get_default_kernel(program: Program, config: KernelConfig) -> DefaultKernel:
             return DefaultKernel(chosen, get_kernel(program, chosen), [])
         first = get_kernel(program, config)
         # (where it spills as well, the fallbacks for spills, in their measured order)
-        latency = rejection(config, first.stack_frame_bytes, first.instructions) == "latency-bound"
+        latency = rejection(config, first) == "latency-bound"
         tried = []
         for candidate in default_candidates(config, latency):
             if tried and not _lowers(program, candidate):
                 continue  # a fallback's tile may not fit a segment, or its rings the shared memory
             entry = first if candidate is config else get_kernel(program, candidate)
             tried.append((candidate, entry))
-            if rejection(candidate, entry.stack_frame_bytes, entry.instructions) is None:
+            if rejection(candidate, entry) is None:
                 chosen = candidate
                 break
         else:  # none without a reason against it: the first that does not spill, else the rules' choice
-            chosen, entry = next(((c, e) for c, e in tried if not spills(e.stack_frame_bytes)), tried[0])
+            chosen, entry = next(((c, e) for c, e in tried if not spills(e)), tried[0])
         _DEFAULTS[key] = chosen
         _write_default(program, config, key, chosen, tried)
     return DefaultKernel(chosen, entry, tried)
@@ -568,8 +576,8 @@ def _write_default(program: Program, config: KernelConfig, key: str, chosen: Ker
         "program": program.name,
         "asked": config.describe(),
         "chosen": _choice(chosen),
-        "tried": [{"config": short_config(c), "stack_frame_bytes": e.stack_frame_bytes, "instructions": e.instructions}
-                  for c, e in tried],
+        "tried": [{"config": short_config(c), "stack_frame_bytes": e.stack_frame_bytes,
+                   "local_accesses": e.local_accesses, "instructions": e.instructions} for c, e in tried],
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })
 
@@ -664,7 +672,7 @@ def get_tuned_kernel(program: Program, config: KernelConfig, shape: tuple[int, i
         if chosen is not None:
             return TunedKernel(chosen, get_kernel(program, chosen), {})
         built = [(c, get_kernel(program, c)) for c in candidates if c is config or _lowers(program, c)]
-        timed = [(c, e) for c, e in built if not spills(e.stack_frame_bytes)] or built
+        timed = [(c, e) for c, e in built if not spills(e)] or built
         times = _time_in_rounds(timed, time_kernel)
         chosen = min(times, key=times.get)
         _TUNED[record] = chosen

@@ -271,11 +271,12 @@ def cmd_inspect(args) -> int:
         _out(f"# {program.name}: {config.describe()}; compiled in {compiled.compile_seconds:.2f} s")
         from .cache import REASONS, default_candidates, rejection
 
-        reason = rejection(config, compiled.stack_frame_bytes, compiled.instructions)
+        reason = rejection(config, compiled)
         if _default_path(args) and not decided and reason:
             fallbacks = ", then ".join(f"{c.schedule} {c.tile[0]}x{c.tile[1]}"
                                        for c in default_candidates(config, reason == "latency-bound")[1:])
-            detail = (f"{compiled.stack_frame_bytes} bytes of stack frame per thread" if reason == "spills"
+            detail = (f"{compiled.stack_frame_bytes} bytes of stack frame per thread, "
+                      f"{compiled.local_accesses} loads and stores of it in the SASS" if reason == "spills"
                       else f"{compiled.instructions} SASS instructions")
             why = f"{REASONS[reason]} ({detail})"
             _out(f"# {why} and no default is decided for it yet: a call tries {fallbacks} and runs the first "

@@ -53,6 +53,9 @@ class CompiledKernel:
     stack_frame_bytes: int | None = None
     #: SASS instructions of its largest kernel (the GEMM), from the cubin (None: not found there)
     instructions: int | None = None
+    #: loads and stores of local memory (LDL, STL) in its largest kernel's SASS, from the cubin
+    #: (None: not found there): how often spill code runs per tile, its epilogue being unrolled
+    local_accesses: int | None = None
 
     @property
     def registers(self) -> int | None:
@@ -185,7 +188,8 @@ def compile_source(source: str, program: Program, config: KernelConfig, *, keep:
         seconds = time.perf_counter() - start
     compiled = CompiledKernel(program, config, source, function, module, seconds, report=captured.getvalue(),
                               stack_frame_bytes=stack_frame_bytes(function.__cubin__),
-                              instructions=kernel_instructions(function.__cubin__))
+                              instructions=kernel_instructions(function.__cubin__),
+                              local_accesses=local_accesses(function.__cubin__))
     if keep:
         compiled.artifacts = _collect(dump_dir, keep)
     return compiled
@@ -241,12 +245,35 @@ def stack_frame_bytes(cubin: bytes | None) -> int | None:
     return max(frames) if frames else None
 
 
+def _largest_text(cubin: bytes | None) -> tuple[int, int] | None:
+    """(offset, size) of the largest function's code in ``cubin`` (the GEMM kernel: a finishing
+    kernel is far smaller); None if it has none, or is not a 64-bit little-endian ELF file."""
+    texts = [(size, offset) for name, offset, size in _elf_sections(cubin) or [] if name.startswith(b".text.")]
+    return max(texts)[::-1] if texts else None
+
+
 def kernel_instructions(cubin: bytes | None) -> int | None:
-    """SASS instructions in the largest function of ``cubin`` (the GEMM kernel: a finishing
-    kernel is far smaller), from its ``.text`` section's size (16 bytes an instruction on sm_90
-    and sm_100); None if it has none, or is not a 64-bit little-endian ELF file."""
-    sizes = [size for name, _, size in _elf_sections(cubin) or [] if name.startswith(b".text.")]
-    return max(sizes) // 16 if sizes else None
+    """SASS instructions in the largest function of ``cubin``, from its ``.text`` section's size
+    (16 bytes an instruction on sm_90 and sm_100); None where ``_largest_text`` finds none."""
+    text = _largest_text(cubin)
+    return text[1] // 16 if text else None
+
+
+#: opcodes of STL and LDL, the stores and loads of local memory (where ptxas puts spilled
+#: registers), in the low 12 bits of an instruction's first 8 bytes (sm_90 and sm_100 encodings;
+#: tests/test_compile.py counts them against nvdisasm)
+_LOCAL_MEMORY_OPCODES = (0x387, 0x983)
+
+
+def local_accesses(cubin: bytes | None) -> int | None:
+    """STL and LDL instructions in the largest function of ``cubin``; None where
+    ``_largest_text`` finds none."""
+    text = _largest_text(cubin)
+    if text is None:
+        return None
+    offset, size = text
+    words = struct.unpack_from(f"<{size // 8}Q", cubin, offset)[::2]  # each instruction's first 8 bytes
+    return sum(1 for word in words if word & 0xFFF in _LOCAL_MEMORY_OPCODES)
 
 
 def _collect(dump_dir: Path, keep: tuple[str, ...]) -> dict:

@@ -70,7 +70,7 @@ def _compile_one(program: Program, config: KernelConfig,
         origin = "compiled" if any(e.origin == "compiled" for _, e in default.tried) else entry.origin
         if default.tried:  # decided now: why the rules' choice (tried first) is not run
             asked, first = default.tried[0]
-            why = REASONS.get(rejection(asked, first.stack_frame_bytes, first.instructions), "")
+            why = REASONS.get(rejection(asked, first), "")
     else:
         entry, chosen = get_kernel(program, config), None
         origin = entry.origin

@@ -218,7 +218,7 @@ class Kernel:
             default = get_default_kernel(self.program, config)
             return default.config, default.entry
         entry = get_kernel(self.program, config)
-        if spills(entry.stack_frame_bytes):
+        if spills(entry):
             warnings.warn(f"{self.program.name}: the kernel at {config.describe()} spills registers "
                           f"({entry.stack_frame_bytes} bytes of stack frame per thread); with tile, cluster and "
                           "schedule left unset, calls run a configuration that does not spill where one exists",

@@ -8,6 +8,7 @@ import pytest
 
 import coda_cute as cc
 from coda_cute import library
+from coda_cute.cache import spills
 from coda_cute.compile import compile_program
 from coda_cute.config import DEFAULT_SWIZZLE, KernelConfig
 from coda_cute.errors import UnsupportedError
@@ -86,17 +87,18 @@ CASES = [(name, config_name) for name in _lowerable(KernelConfig()) for config_n
          if config_name not in SAMPLES or name in SAMPLES[config_name]]
 
 
-# Epilogues that keep more values live than the registers ping-pong leaves beside a warpgroup's
-# whole-tile accumulator: correct but spilling there, and the runtime never picks ping-pong for
-# them (README, "Limits today").  The test fails when one stops spilling, to keep the list true.
-# cross_entropy_stats_save: a running log-sum-exp per row beside the stored logits' subtile (at
-# 128x128 too, by 28 bytes, since its logits are rounded a column pair at a time: round_pair).
-# cross_entropy_stats at 256x128: 8 bytes, its running max and sum for four rows per thread.
-# swiglu_bwd_recompute in cooperative tiles (8-48 bytes): its row dot beside three outputs, one
-# of them 2N wide, within the 168 registers a cooperative kernel is compiled for; its default is
-# ping-pong 128x192, which holds it.
+# Where ptxas spills (the test fails when one stops spilling, to keep the list true).  Most park a
+# few values in local memory, stored once and loaded once per tile (SPILL_TOLERATED_ACCESSES
+# loads and stores of it at most), and may be a default; RMSNorm's backward at ping-pong 128x192
+# spills 160-208 bytes in 78-114 places, and its default avoids that tile (README, "Limits today").
+# cross_entropy_stats_save at ping-pong (its default at 128x192): a running log-sum-exp per row
+# beside the stored logits' subtile, which are rounded a column pair at a time (round_pair).
+# cross_entropy_stats at 256x128: its running max and sum for four rows per thread.
+# swiglu_bwd_recompute in cooperative tiles (its default beyond K = 4096 at 128x256): its row dot
+# beside three outputs, one of them 2N wide, within the 168 registers of a cooperative kernel.
 SPILLS_AT = {"pingpong192": {"rmsnorm_bwd", "rmsnorm_bwd_residual", "cross_entropy_stats_save"},
              "pingpong128": {"cross_entropy_stats_save"}, "rows256": {"cross_entropy_stats"},
+             "runtime_default": {"cross_entropy_stats_save"},
              "cluster2x1": {"swiglu_bwd_recompute"}, "single_cta": {"swiglu_bwd_recompute"}}
 
 
@@ -129,17 +131,20 @@ def test_library_program_compiles_to_expected_sass(name, config_name, tmp_path):
         return
     compiled = compile_program(program, config, keep=("sass",), dump_dir=tmp_path / "dump",
                                source_dir=tmp_path / "src", report=True)
-    # the runtime's default decision reads spills from the cubin's stack frame: ptxas' report agrees
-    assert (compiled.stack_frame_bytes > 0) == (compiled.spill_bytes > 0), f"{name}: {compiled.stack_frame_bytes}"
-    if name in SPILLS_AT.get(config_name, ()):
-        tile, _, schedule = runtime_defaults(program)
-        if config.schedule == "pingpong":  # registers beside a whole-tile accumulator: the default stays cooperative
-            assert schedule == "cooperative", f"{name}: the default must avoid a spilling schedule"
-        else:
-            assert tile != config.tile, f"{name}: the default must avoid a spilling tile"
-        assert compiled.spill_bytes > 0, f"{name} no longer spills at {config_name}: drop it from the list"
-        return
+    # the runtime's default decision reads spills from the cubin, its stack frame and its loads and
+    # stores of local memory (decoded from the code): ptxas' report and nvdisasm agree
     sass = compiled.artifacts["sass"].read_text()
+    assert (compiled.stack_frame_bytes > 0) == (compiled.spill_bytes > 0), f"{name}: {compiled.stack_frame_bytes}"
+    assert compiled.local_accesses == len(re.findall(r"\b(?:STL|LDL)\b", sass)), f"{name}: {compiled.local_accesses}"
+    if name in SPILLS_AT.get(config_name, ()):
+        assert compiled.spill_bytes > 0, f"{name} no longer spills at {config_name}: drop it from the list"
+        if spills(compiled):  # in more places than the runtime tolerates: its default avoids them
+            tile, _, schedule = runtime_defaults(program)
+            assert (tile, schedule) != (config.tile, config.schedule), f"{name}: the default must avoid this spill"
+            return
+    else:
+        assert compiled.local_accesses == 0, f"{name}: local-memory traffic (spills) in the SASS"
+        assert compiled.spill_bytes == 0, f"{name}: ptxas reports spills:\n{compiled.report}"
     expected = ["HGMMA", "UTMALDG", "USETMAXREG", "SYNCS"]
     if program.tile_outputs:
         expected.append("UTMASTG")
@@ -151,8 +156,6 @@ def test_library_program_compiles_to_expected_sass(name, config_name, tmp_path):
     assert sass.count("HGMMA") == 4 * mma_blocks, f"{name}: {sass.count('HGMMA')} HGMMA instructions"
     multicast = "UTMALDG.2D.MULTICAST" in sass
     assert multicast == (config.cluster != (1, 1)), f"{name}: multicast TMA loads only with a cluster"
-    assert "LDL" not in sass and "STL" not in sass, f"{name}: local-memory traffic (spills) in the SASS"
-    assert compiled.spill_bytes == 0, f"{name}: ptxas reports spills:\n{compiled.report}"
     assert compiled.registers is not None and compiled.registers <= 232
     finish = sass_functions(sass).get("finish")
     assert (finish is not None) == bool(program.reductions), f"{name}: a finishing kernel exactly where it reduces"

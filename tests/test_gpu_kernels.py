@@ -435,14 +435,13 @@ def test_calls_share_their_plans_partials_on_its_stream_only(in_gemm):
         assert_close("sumsq", got["sumsq"], cc.evaluate(program, a, b, ops).outputs["sumsq"], *REDUCTION_TOLERANCE)
 
 
-@pytest.mark.parametrize("name,runs", [("rms_swiglu_save", ((128, 256), "cooperative")),
-                                       ("swiglu_bwd_recompute", ((128, 192), "pingpong"))])
-def test_heavy_epilogue_default_at_a_deep_k(name, runs):
+@pytest.mark.parametrize("name", ["rms_swiglu_save", "swiglu_bwd_recompute"])
+def test_heavy_epilogue_default_at_a_deep_k(name):
     """Beyond K = 4096 the rules give heavy epilogues cooperative 128x256 (runtime.PINGPONG_MAX_K),
-    which the SwiGLU backward trades for ping-pong 128x192, where it does not spill: the kernels
-    the Llama MLP runs at d = 8192, at a shape that is no multiple of the tile."""
+    where the SwiGLU backward parks a few values in local memory (cache.SPILL_TOLERATED_ACCESSES):
+    the kernels the Llama MLP runs at d = 8192, at a shape that is no multiple of the tile."""
     config = run_and_compare(library.get(name), 300, 1040, 4104)
-    assert (config.tile, config.schedule) == runs
+    assert (config.tile, config.schedule) == ((128, 256), "cooperative")
 
 
 @pytest.mark.parametrize("name,table_dtype,tile,cluster,schedule,stage", [
