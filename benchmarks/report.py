@@ -34,6 +34,9 @@ HERE = Path(__file__).resolve().parent
 #: the newest archived run of each kind for each d, newest first (paths relative to benchmarks/);
 #: an entry may be (path, note), the note printed under that file's tables' heading
 INPUTS = [
+    ("results/archive/2026-12-07h-h100-d4096-lm-68b8fde.json",
+     "On an H100 80GB HBM3, 7 rounds; the forward's cross_entropy_stats_save runs ping-pong 128x192 (4861728). "
+     "Two more runs of that day: wall 37.870 vs torch.compile 38.888 (4861728), 39.584 vs 39.912 (68b8fde)."),
     ("results/archive/2026-12-06i-h100-programs-8192x4096x4096-6104ba4.json",
      "On an H100 80GB HBM3, after bd87b29 (division and square root without IEEE slow paths) and 2fbec7c "
      "(autotune timed in rounds); ping-pong kernels ran the subtile loop from the IR (undone in 6bcd476)."),
