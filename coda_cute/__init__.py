@@ -26,7 +26,7 @@ the generator (``config`` to ``cache``: a program becomes a compiled kernel), th
 - ``render``     the Jinja templates (``templates/``) -> one standalone CuTe-DSL module;
 - ``compile``    ``cute.compile`` of that module, with or without a GPU, plus PTX/SASS;
 - ``cache``      compiled kernels in memory and on disk, keyed by everything that matters, and
-                 the configurations decided beside them (spill-free defaults, autotuned winners);
+                 the configurations decided beside them (defaults clear of costly spills, autotuned winners);
 - ``precompile`` the worker pool that fills the disk cache ahead of time;
 - ``arguments``  checks of runtime tensors against a program (shared by every consumer);
 - ``reference``  the pure-PyTorch interpreter: ground truth and CPU fallback;
