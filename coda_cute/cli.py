@@ -269,7 +269,7 @@ def cmd_inspect(args) -> int:
         compiled = compile_source(source, program, config, keep=kept, dump_dir=dump if kept else None,
                                   source_dir=Path(tmp) / "src", report="regs" in wanted)
         _out(f"# {program.name}: {config.describe()}; compiled in {compiled.compile_seconds:.2f} s")
-        from .cache import REASONS, default_candidates, rejection
+        from .cache import REASONS, SPILL_TOLERATED_ACCESSES, default_candidates, rejection
 
         reason = rejection(config, compiled)
         if _default_path(args) and not decided and reason:
@@ -281,6 +281,10 @@ def cmd_inspect(args) -> int:
             why = f"{REASONS[reason]} ({detail})"
             _out(f"# {why} and no default is decided for it yet: a call tries {fallbacks} and runs the first "
                  "that neither spills nor runs latency-bound (`coda-cute precompile` decides it ahead of time)")
+        elif compiled.stack_frame_bytes:
+            _out(f"# a {compiled.stack_frame_bytes}-byte stack frame with {compiled.local_accesses} loads and stores "
+                 f"of it in the SASS: a few values parked about once per tile, which a default may run "
+                 f"(at most {SPILL_TOLERATED_ACCESSES}: cache.SPILL_TOLERATED_ACCESSES)")
         if "source" in wanted:
             _out("# ---- source")
             sys.stdout.write(source)

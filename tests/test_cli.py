@@ -257,6 +257,21 @@ def test_inspect_shows_sass_and_register_report(capsys, tmp_path):
     assert list((tmp_path / "dump").glob("*.sass")), "--dump-dir keeps the artifacts"
 
 
+@pytest.mark.compile
+def test_inspect_says_why_a_default_with_a_stack_frame_runs(capsys, monkeypatch, tmp_path):
+    """cross_entropy_stats_save's default (ping-pong 128x192) parks a few values in local memory:
+    inspect says how many loads and stores, and that a default may run it."""
+    monkeypatch.setenv("CODA_CUTE_CACHE_DIR", str(tmp_path / "cache"))
+    code, out, err = cli(capsys, "inspect", "cross_entropy_stats_save")
+    assert code == 0, err
+    assert "tile 128x192, cluster 1x2, pingpong" in out.split("\n")[0]
+    parked = re.search(r"^# a (\d+)-byte stack frame with (\d+) loads and stores of it in the SASS: .* which a "
+                       r"default may run \(at most 16: cache.SPILL_TOLERATED_ACCESSES\)$", out, re.M)
+    assert parked, out[:1000]
+    assert int(parked[1]) > 0 and 0 < int(parked[2]) <= 16
+    assert "no default is decided" not in out
+
+
 # ----------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("args, expected", [
     (["emit", "no_such_program"], ["no library program named 'no_such_program'", "available:", "gemm", "swiglu"]),
