@@ -281,7 +281,7 @@ def cmd_inspect(args) -> int:
             why = f"{REASONS[reason]} ({detail})"
             _out(f"# {why} and no default is decided for it yet: a call tries {fallbacks} and runs the first "
                  "that neither spills nor runs latency-bound (`coda-cute precompile` decides it ahead of time)")
-        elif compiled.stack_frame_bytes:
+        elif compiled.stack_frame_bytes and reason != "spills":
             _out(f"# a {compiled.stack_frame_bytes}-byte stack frame with {compiled.local_accesses} loads and stores "
                  f"of it in the SASS: a few values parked about once per tile, which a default may run "
                  f"(at most {SPILL_TOLERATED_ACCESSES}: cache.SPILL_TOLERATED_ACCESSES)")

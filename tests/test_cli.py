@@ -270,6 +270,10 @@ def test_inspect_says_why_a_default_with_a_stack_frame_runs(capsys, monkeypatch,
     assert parked, out[:1000]
     assert int(parked[1]) > 0 and 0 < int(parked[2]) <= 16
     assert "no default is decided" not in out
+    # a kernel asked for with flags that spills in more places is not said to park a few values
+    code, out, err = cli(capsys, "inspect", "rmsnorm_bwd", "--tile", "128x192", "--schedule", "pingpong")
+    assert code == 0, err
+    assert "stack frame with" not in out and re.search(r"^registers: \d+ per thread; spills: [1-9]\d* bytes$", out, re.M)
 
 
 # ----------------------------------------------------------------------------- errors
