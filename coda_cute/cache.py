@@ -450,12 +450,24 @@ def default_candidates(config: KernelConfig, latency: bool = False) -> list[Kern
     then the SPILL_FALLBACKS of another schedule, or of its own holding fewer fp32 accumulators
     per thread (with as many and the same register budget, the epilogue has no more room), with
     its cluster and every other field; with ``latency`` (``config``'s kernel is latency_bound),
-    LATENCY_FALLBACK right after it."""
+    LATENCY_FALLBACK right after it.  Each sm_90a ping-pong candidate is followed by its twin
+    with the subtile loop unrolled while tracing (``KernelConfig.unroll_subtiles``), which
+    ``get_default_kernel`` builds only where the candidate spills."""
     fallbacks = [config.with_(tile=tile, schedule=schedule) for tile, schedule in SPILL_FALLBACKS]
     if latency:
         fallbacks.insert(0, config.with_(tile=LATENCY_FALLBACK[0], schedule=LATENCY_FALLBACK[1]))
-    return [config] + [c for c in fallbacks
-                       if c.schedule != config.schedule or _accumulators(c) < _accumulators(config)]
+    candidates = [config] + [c for c in fallbacks
+                             if c.schedule != config.schedule or _accumulators(c) < _accumulators(config)]
+    return [twin for c in candidates for twin in (c, *_unrolled_twin(c))]
+
+
+def _unrolled_twin(config: KernelConfig) -> tuple[KernelConfig, ...]:
+    """The same ping-pong kernel with its subtile loop unrolled while tracing, where that is
+    another kernel: ptxas spilled heavy ping-pong epilogues from the IR loop and not unrolled
+    (``KernelConfig.unroll_subtiles``)."""
+    if config.schedule != "pingpong" or config.unroll_subtiles or config.arch != "sm_90a":
+        return ()
+    return (config.with_(unroll_subtiles=True),)
 
 
 _DEFAULTS: dict[str, KernelConfig] = {}  # cache key of the rules' choice -> the configuration calls run
@@ -475,8 +487,9 @@ def get_default_kernel(program: Program, config: KernelConfig) -> DefaultKernel:
     """The kernel a call runs when it fixed none of tile, cluster and schedule: ``config`` (the
     runtime's rules' choice) unless its kernel spills registers or is ``latency_bound``, then the
     first of the fallbacks in ``default_candidates`` (LATENCY_FALLBACK first where ``config``
-    is latency-bound without spilling) that is neither; else the first of them that does not
-    spill (``config`` where every one does).
+    is latency-bound without spilling; a ping-pong kernel's unrolled twin right after it where it
+    spills) that is neither; else the first of them that does not spill (``config`` where every
+    one does).
 
     Spills are read from each kernel's stack frame (``CompiledKernel.stack_frame_bytes``) and
     its length from its SASS (``CompiledKernel.instructions``), both free at compile time and kept
@@ -497,6 +510,9 @@ def get_default_kernel(program: Program, config: KernelConfig) -> DefaultKernel:
         latency = rejection(config, first) == "latency-bound"
         tried = []
         for candidate in default_candidates(config, latency):
+            sibling = candidate.with_(unroll_subtiles=False)
+            if candidate != sibling and tried and tried[-1][0] == sibling and not spills(tried[-1][1]):
+                continue  # the unrolled twin of a kernel that does not spill: nothing to gain
             if tried and not _lowers(program, candidate):
                 continue  # a fallback's tile may not fit a segment, or its rings the shared memory
             entry = first if candidate is config else get_kernel(program, candidate)
@@ -547,7 +563,8 @@ def _kept_choice(memory: dict, folder: str, record: str, key: str,
 
 
 def _choice(config: KernelConfig) -> dict:
-    return {"tile": list(config.tile), "cluster": list(config.cluster), "schedule": config.schedule}
+    chosen = {"tile": list(config.tile), "cluster": list(config.cluster), "schedule": config.schedule}
+    return {**chosen, "unroll_subtiles": True} if config.unroll_subtiles else chosen
 
 
 def _read_choice(path: Path, key: str, candidates: list[KernelConfig]) -> KernelConfig | None:
@@ -657,8 +674,9 @@ def get_tuned_kernel(program: Program, config: KernelConfig, shape: tuple[int, i
     """The fastest kernel for problems of ``shape`` (M, N, K) among ``tune_candidates(config)``,
     as ``time_kernel(candidate, its CacheEntry)`` (ms, on the caller's GPU and tensors) measures it.
 
-    Candidates the generator cannot build are skipped; those that spill are timed only if every
-    one does.  Timing stops after TUNE_BUDGET_S.  The winner is kept in memory and beside the
+    Candidates the generator cannot build are skipped; a ping-pong one that spills is replaced by
+    its unrolled twin where that does not (``default_candidates``); those that spill are timed
+    only if every one does.  Timing stops after TUNE_BUDGET_S.  The winner is kept in memory and beside the
     kernels (``<root>/tuned/<key>-<M>x<N>x<K>.json``, key: the rules' choice's ``cache_key``,
     written and trusted like a default's record), so a later process starts with it."""
     config = config.resolved(program)
@@ -668,10 +686,19 @@ def get_tuned_kernel(program: Program, config: KernelConfig, shape: tuple[int, i
     with _LOCK:
         key_lock = _KEY_LOCKS.setdefault(f"tuned-{record}", threading.Lock())
     with key_lock:
-        chosen = _kept_choice(_TUNED, "tuned", record, key, candidates)
+        chosen = _kept_choice(_TUNED, "tuned", record, key,
+                              [twin for c in candidates for twin in (c, *_unrolled_twin(c))])
         if chosen is not None:
             return TunedKernel(chosen, get_kernel(program, chosen), {})
-        built = [(c, get_kernel(program, c)) for c in candidates if c is config or _lowers(program, c)]
+        built = []
+        for candidate in candidates:
+            if candidate is config or _lowers(program, candidate):
+                entry = get_kernel(program, candidate)
+                for twin in _unrolled_twin(candidate) if spills(entry) else ():
+                    twin_entry = get_kernel(program, twin)  # a ping-pong kernel may not spill unrolled
+                    if not spills(twin_entry):
+                        candidate, entry = twin, twin_entry
+                built.append((candidate, entry))
         timed = [(c, e) for c, e in built if not spills(e)] or built
         times = _time_in_rounds(timed, time_kernel)
         chosen = min(times, key=times.get)
@@ -737,4 +764,4 @@ def short_config(config: KernelConfig) -> str:
     text = (f"{config.dtype} {config.majors} tile {config.tile[0]}x{config.tile[1]} "
             f"cluster {config.cluster[0]}x{config.cluster[1]} {config.schedule} {config.gpu}")
     odd = [f"{name}={dtype}" for name, dtype in config.operand_dtypes if dtype != config.dtype]
-    return text + (f" ({', '.join(odd)})" if odd else "")
+    return text + (" unrolled" if config.unroll_subtiles else "") + (f" ({', '.join(odd)})" if odd else "")

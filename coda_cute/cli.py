@@ -201,6 +201,7 @@ def _flag_config(program: Program, args) -> KernelConfig:
         raster_along_m=_raster_along_m(getattr(args, "raster", "m")), swizzle=getattr(args, "swizzle", DEFAULT_SWIZZLE),
         stage_tables=bool(getattr(args, "stage_tables", False)),
         finish_in_gemm=bool(getattr(args, "finish_in_gemm", False)),
+        unroll_subtiles=bool(getattr(args, "unroll_subtiles", False)),
     ).check()
 
 
@@ -274,6 +275,8 @@ def cmd_inspect(args) -> int:
         reason = rejection(config, compiled)
         if _default_path(args) and not decided and reason:
             fallbacks = ", then ".join(f"{c.schedule} {c.tile[0]}x{c.tile[1]}"
+                                       + (" unrolled while tracing where the one before spills" if c.unroll_subtiles
+                                          else "")
                                        for c in default_candidates(config, reason == "latency-bound")[1:])
             detail = (f"{compiled.stack_frame_bytes} bytes of stack frame per thread, "
                       f"{compiled.local_accesses} loads and stores of it in the SASS" if reason == "spills"
@@ -480,6 +483,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, several: bool = False) ->
     group.add_argument("--finish-in-gemm", action="store_true",
                        help="reductions: the last tile of each row (column) of tiles folds the partials, instead of "
                             "a second kernel (the runtime does this for calls too small to keep the GPU busy)")
+    group.add_argument("--unroll-subtiles", action="store_true",
+                       help="sm_90a: unroll the epilogue's subtile loop while tracing instead of leaving LLVM a loop "
+                            "(slower to compile; a ping-pong default whose kernel spills falls back to it first)")
     if not several:
         group.add_argument("--ab-stages", type=int, default=0, metavar="S",
                            help="mainloop stages, 2..8; fewer leave shared memory for deeper epilogue input rings "

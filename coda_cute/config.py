@@ -77,6 +77,12 @@ class KernelConfig:
     #: host time), but the folds land in the GEMM's last tiles (a few us more of GPU time);
     #: ``runtime.host_bound`` says which calls use it
     finish_in_gemm: bool = False
+    #: the epilogue's subtile loop unrolled while the kernel is traced (sm_90a), instead of a loop
+    #: in the IR that LLVM unrolls: mostly the same SASS, in about a third more compile time, but ptxas
+    #: allocates registers otherwise, and a heavy ping-pong epilogue can spill from one and not the
+    #: other (the SwiGLU backward with h at 128x192: 264 bytes from the IR loop, none unrolled);
+    #: the first fallback of a ping-pong default that spills (``cache.default_candidates``)
+    unroll_subtiles: bool = False
 
     def check(self) -> "KernelConfig":
         """Raise UnsupportedError naming the first field this generator cannot build."""
@@ -118,6 +124,11 @@ class KernelConfig:
             raise UnsupportedError(f"stage_tables {self.stage_tables!r}: expected True or False")
         if type(self.finish_in_gemm) is not bool:
             raise UnsupportedError(f"finish_in_gemm {self.finish_in_gemm!r}: expected True or False")
+        if type(self.unroll_subtiles) is not bool:
+            raise UnsupportedError(f"unroll_subtiles {self.unroll_subtiles!r}: expected True or False")
+        if self.unroll_subtiles and self.arch != "sm_90a":
+            raise UnsupportedError(f"unroll_subtiles: {self.arch} kernels keep their epilogue's subtile loop rolled; "
+                                   "it is an sm_90a choice")
         if type(self.swizzle) is not int or self.swizzle not in SWIZZLES:
             raise UnsupportedError(f"swizzle {self.swizzle!r}: expected one of {', '.join(map(str, SWIZZLES))}")
         for name, dtype in _named_pairs(self.operand_dtypes, "operand_dtypes"):
@@ -165,7 +176,7 @@ class KernelConfig:
         return (self.arch, self.gpu, self.dtype, self.majors, tuple(self.tile), tuple(self.cluster),
                 self.schedule, self.raster_along_m, self.swizzle, self.ab_stages, self.epi_stages, self.in_stages,
                 tuple(self.operand_dtypes),
-                tuple(self.table_periods), self.stage_tables, self.finish_in_gemm)
+                tuple(self.table_periods), self.stage_tables, self.finish_in_gemm, self.unroll_subtiles)
 
     def describe(self) -> str:
         return (f"{self.arch} {self.gpu} ({self.sm_count} SMs), {self.dtype} inputs, majors {self.majors}, "
@@ -176,7 +187,8 @@ class KernelConfig:
                 + (f", output rings {self.epi_stages} deep" if self.epi_stages else "")
                 + (f", input rings {self.in_stages} deep" if self.in_stages else "")
                 + (", tables staged in smem" if self.stage_tables else "")
-                + (", reductions finished in the GEMM" if self.finish_in_gemm else ""))
+                + (", reductions finished in the GEMM" if self.finish_in_gemm else "")
+                + (", subtile loop unrolled while tracing" if self.unroll_subtiles else ""))
 
 
 def _pair_of(value) -> tuple | None:

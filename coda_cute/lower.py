@@ -143,6 +143,7 @@ def lower(program: Program, config: KernelConfig) -> Context:
         ab_stages=ab_stages, epi_n=ctx.epi_n, epi_stages=stages, in_stages=in_stages,
         smem_budget=SMEM_BYTES[config.arch], smem_planned=target.smem_bytes(ctx, stages, in_stages, ab_stages),
         raster_along_m=config.raster_along_m, swizzle=config.swizzle, finish_in_gemm=config.finish_in_gemm,
+        unroll_subtiles=config.unroll_subtiles,
         **target.schedule(config),
     )
     _Body(ctx, program, config).emit_all()

@@ -57,6 +57,7 @@ def emit_command(program: Program, config: KernelConfig, reference: str | None =
     parts += [] if config.raster_along_m else ["--raster n"]
     parts += ["--stage-tables"] if config.stage_tables else []
     parts += ["--finish-in-gemm"] if config.finish_in_gemm else []
+    parts += ["--unroll-subtiles"] if config.unroll_subtiles else []
     return " ".join(parts)
 
 

@@ -83,6 +83,7 @@ def test_show_prints_the_program_listing(capsys):
     ("residual_sumsq", ["--tile", "64x256", "--cluster", "1x1", "--operand-dtype", "residual=f32"]),
     ("residual_sumsq", ["--ab-stages", "3"]),  # the residual ring then holds the whole tile
     ("rmsnorm_bwd", ["--finish-in-gemm"]),  # reductions folded by the GEMM's last tiles
+    ("swiglu_bwd_recompute", ["--tile", "128x192", "--schedule", "pingpong", "--unroll-subtiles"]),  # its default
     ("gemm", ["--raster", "n", "--swizzle", "8"]),
     ("gemm", ["--swizzle", "1"]),  # CuTe's walk as it is, no swizzled_tile
     ("rms_scale_gamma", ["--tile", "64x256", "--schedule", "pingpong", "--operand-dtype", "rstd=f32",

@@ -54,17 +54,25 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def test_candidates_are_the_other_schedule_or_fewer_accumulators_in_turn():
+    """Each ping-pong candidate is followed by its twin unrolled while tracing ("u" below),
+    which get_default_kernel builds only where the candidate spills."""
+    def listed(config, **kwargs):
+        return [(c.tile, c.schedule + (" u" if c.unroll_subtiles else "")) for c in default_candidates(config, **kwargs)]
     pingpong = KernelConfig(tile=(128, 192), cluster=(1, 2), schedule="pingpong", ab_stages=3)
-    assert [(c.tile, c.schedule) for c in default_candidates(pingpong)] == [
-        ((128, 192), "pingpong"), ((128, 256), "cooperative"), ((128, 128), "cooperative")]
+    assert listed(pingpong) == [((128, 192), "pingpong"), ((128, 192), "pingpong u"), ((128, 256), "cooperative"),
+                                ((128, 128), "cooperative")]
     assert {(c.cluster, c.ab_stages) for c in default_candidates(pingpong)} == {((1, 2), 3)}  # the rest kept
-    assert [(c.tile, c.schedule) for c in default_candidates(KernelConfig())] == [
-        ((128, 256), "cooperative"), ((128, 192), "pingpong"), ((128, 128), "cooperative")]
-    assert [(c.tile, c.schedule) for c in default_candidates(KernelConfig(tile=(128, 128)))] == [
-        ((128, 128), "cooperative"), ((128, 192), "pingpong")]
+    assert listed(KernelConfig()) == [((128, 256), "cooperative"), ((128, 192), "pingpong"),
+                                      ((128, 192), "pingpong u"), ((128, 128), "cooperative")]
+    assert listed(KernelConfig(tile=(128, 128))) == [((128, 128), "cooperative"), ((128, 192), "pingpong"),
+                                                     ((128, 192), "pingpong u")]
     # a latency-bound ping-pong 128x192 tries ping-pong 128x128 first
-    assert [(c.tile, c.schedule) for c in default_candidates(pingpong, latency=True)] == [
-        ((128, 192), "pingpong"), ((128, 128), "pingpong"), ((128, 256), "cooperative"), ((128, 128), "cooperative")]
+    assert listed(pingpong, latency=True) == [
+        ((128, 192), "pingpong"), ((128, 192), "pingpong u"), ((128, 128), "pingpong"), ((128, 128), "pingpong u"),
+        ((128, 256), "cooperative"), ((128, 128), "cooperative")]
+    # sm_100a kernels have no twin: their subtile loop stays rolled
+    blackwell = KernelConfig(arch="sm_100a", gpu="B200", tile=(128, 192), cluster=(1, 2), schedule="pingpong")
+    assert not any(c.unroll_subtiles for c in default_candidates(blackwell))
 
 
 def test_only_a_long_ping_pong_128x192_kernel_is_latency_bound():
@@ -100,9 +108,11 @@ def test_a_spilling_default_runs_a_candidate_that_does_not_and_the_decision_is_k
     records = list((cache_dir / "defaults").glob("*.json"))
     assert [r.stem for r in records] == [cache.cache_key(geglu_save, rules)]
     record = json.loads(records[0].read_text())
-    spilled, clean = record["tried"]
-    assert spilled["local_accesses"] > SPILL_TOLERATED_ACCESSES, \
-        "geglu_save no longer spills at its rules' choice: find another program"
+    spilled, unrolled, clean = record["tried"]  # its rules' choice, that unrolled while tracing, the fallback
+    for kernel in (spilled, unrolled):
+        assert kernel["local_accesses"] > SPILL_TOLERATED_ACCESSES, \
+            "geglu_save no longer spills at its rules' choice: find another program"
+    assert unrolled["config"] == spilled["config"] + " unrolled"
     assert clean["stack_frame_bytes"] == 0 and "cooperative" in clean["config"]
     assert (default.tile, default.cluster, default.schedule) == ((128, 256), rules.cluster, "cooperative")
     assert record["chosen"] == {"tile": [128, 256], "cluster": list(rules.cluster), "schedule": "cooperative"}
@@ -150,6 +160,24 @@ def test_the_swiglu_backward_at_a_deep_k_runs_cooperative_where_it_parks_a_few_v
     assert default.config == config == rules
 
 
+def test_the_swiglu_backward_at_ping_pong_runs_its_subtile_loop_unrolled_while_tracing(cache_dir):
+    """At K <= 4096 the rules choose ping-pong 128x192 for it; from the IR's subtile loop ptxas
+    spills it (SPILLS_AT in test_compile), unrolled while tracing not, and that kernel runs: the
+    Llama MLP's at d = 4096 (test_gpu_kernels runs it at this shape)."""
+    program = library.get("swiglu_bwd_recompute")
+    a, b = torch.empty(1500, 2056, dtype=torch.bfloat16), torch.empty(4104, 2056, dtype=torch.bfloat16)
+    problem = bind(program, a, b, {"preact": torch.empty(1500, 8208, dtype=torch.bfloat16)})
+    rules = Kernel(program, gpu="H100").config_for(problem)
+    assert (rules.tile, rules.schedule, rules.unroll_subtiles, rules.finish_in_gemm) == (
+        (128, 192), "pingpong", False, False)
+    default = cache.get_default_kernel(program, rules)
+    (ir_loop, spilled), (unrolled, clean) = default.tried
+    assert ir_loop == rules and spills(spilled) and unrolled == rules.with_(unroll_subtiles=True)
+    assert clean.stack_frame_bytes == 0 and default.config == unrolled
+    cache._DEFAULTS.clear()
+    assert cache.cached_default(program, rules) == unrolled  # the record names the twin, not its sibling
+
+
 def test_a_record_is_only_trusted_for_its_key_and_its_candidates(cache_dir):
     rules = rules_choice(geglu_save)
     cache.get_default_kernel(geglu_save, rules)
@@ -167,7 +195,7 @@ def test_a_record_is_only_trusted_for_its_key_and_its_candidates(cache_dir):
         assert cache.cached_default(geglu_save, rules) is None
     path.chmod(0o600)
     assert cache.cached_default(geglu_save, rules) is not None
-    assert cache.clear() == 2 and not (cache_dir / "defaults").exists()
+    assert cache.clear() == 3 and not (cache_dir / "defaults").exists()  # 3 kernels tried, one record
 
 
 def unwrapped(source: str) -> str:
@@ -183,7 +211,8 @@ def test_cli_shows_the_decided_kernel_and_precompile_decides(cache_dir, tmp_path
     assert main(["inspect", name]) == 0
     shown = capsys.readouterr().out
     assert "tile 128x192, cluster 1x2, pingpong" in shown
-    assert "a call tries cooperative 128x256, then cooperative 128x128" in shown
+    assert ("a call tries pingpong 128x192 unrolled while tracing where the one before spills, then cooperative "
+            "128x256, then cooperative 128x128") in shown
     assert main(["precompile", name, "--jobs", "1"]) == 0
     out = capsys.readouterr().out
     assert "it spills, so calls run tile 128x256 cooperative" in out and "1 kernel in" in out

@@ -444,6 +444,13 @@ def test_heavy_epilogue_default_at_a_deep_k(name):
     assert (config.tile, config.schedule) == ((128, 256), "cooperative")
 
 
+def test_a_ping_pong_default_that_spills_from_the_ir_loop_runs_unrolled():
+    """The SwiGLU backward with h at K <= 4096: ping-pong 128x192, whose subtile loop ptxas
+    spills from the IR and not unrolled while tracing (KernelConfig.unroll_subtiles)."""
+    config = run_and_compare(library.get("swiglu_bwd_recompute"), 1500, 4104, 2056)
+    assert (config.tile, config.schedule, config.unroll_subtiles) == ((128, 192), "pingpong", True)
+
+
 @pytest.mark.parametrize("name,table_dtype,tile,cluster,schedule,stage", [
     ("rope_qkv", torch.float32, (128, 192), (1, 2), "pingpong", None),
     ("rope_qkv", torch.bfloat16, (128, 128), (1, 2), "pingpong", True),
