@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Callable
 
 from . import library
 from .backends.registry import backend
-from .config import KernelConfig
+from .config import KernelConfig, unrolled_subtiles
 from .errors import UnsupportedError
 from .program import Program
 
@@ -449,25 +449,33 @@ def default_candidates(config: KernelConfig, latency: bool = False) -> list[Kern
     """``config`` (the runtime's choice for a call that fixed none of tile, cluster and schedule),
     then the SPILL_FALLBACKS of another schedule, or of its own holding fewer fp32 accumulators
     per thread (with as many and the same register budget, the epilogue has no more room), with
-    its cluster and every other field; with ``latency`` (``config``'s kernel is latency_bound),
-    LATENCY_FALLBACK right after it.  Each sm_90a ping-pong candidate is followed by its twin
-    with the subtile loop unrolled while tracing (``KernelConfig.unroll_subtiles``), which
-    ``get_default_kernel`` builds only where the candidate spills."""
-    fallbacks = [config.with_(tile=tile, schedule=schedule) for tile, schedule in SPILL_FALLBACKS]
+    its cluster and every other field (the subtile loop in the form ``unrolled_subtiles`` gives
+    their schedule, ``config``'s own where the schedule is its own); with ``latency``
+    (``config``'s kernel is latency_bound), LATENCY_FALLBACK right after it.  Each sm_90a
+    ping-pong candidate is followed by its twin with the subtile loop in the other form
+    (``KernelConfig.unroll_subtiles``), which ``get_default_kernel`` builds only where the
+    candidate spills."""
+    fallbacks = [reshaped(config, tile, schedule) for tile, schedule in SPILL_FALLBACKS]
     if latency:
-        fallbacks.insert(0, config.with_(tile=LATENCY_FALLBACK[0], schedule=LATENCY_FALLBACK[1]))
+        fallbacks.insert(0, reshaped(config, *LATENCY_FALLBACK))
     candidates = [config] + [c for c in fallbacks
                              if c.schedule != config.schedule or _accumulators(c) < _accumulators(config)]
-    return [twin for c in candidates for twin in (c, *_unrolled_twin(c))]
+    return [twin for c in candidates for twin in (c, *_twin(c))]
 
 
-def _unrolled_twin(config: KernelConfig) -> tuple[KernelConfig, ...]:
-    """The same ping-pong kernel with its subtile loop unrolled while tracing, where that is
-    another kernel: ptxas spilled heavy ping-pong epilogues from the IR loop and not unrolled
-    (``KernelConfig.unroll_subtiles``)."""
-    if config.schedule != "pingpong" or config.unroll_subtiles or config.arch != "sm_90a":
+def reshaped(config: KernelConfig, tile: tuple[int, int], schedule: str, cluster=None) -> KernelConfig:
+    """``config`` with another tile and schedule (and cluster), its subtile loop in the form
+    ``unrolled_subtiles`` gives that schedule, or in ``config``'s own where the schedule is its own."""
+    unrolled = config.unroll_subtiles if schedule == config.schedule else unrolled_subtiles(schedule, config.arch)
+    return config.with_(tile=tile, schedule=schedule, cluster=cluster or config.cluster, unroll_subtiles=unrolled)
+
+
+def _twin(config: KernelConfig) -> tuple[KernelConfig, ...]:
+    """The same ping-pong kernel with its subtile loop in the other form (``KernelConfig.unroll_subtiles``):
+    ptxas spilled heavy ping-pong epilogues from the IR loop and not unrolled while tracing."""
+    if config.schedule != "pingpong" or config.arch != "sm_90a":
         return ()
-    return (config.with_(unroll_subtiles=True),)
+    return (config.with_(unroll_subtiles=not config.unroll_subtiles),)
 
 
 _DEFAULTS: dict[str, KernelConfig] = {}  # cache key of the rules' choice -> the configuration calls run
@@ -487,8 +495,8 @@ def get_default_kernel(program: Program, config: KernelConfig) -> DefaultKernel:
     """The kernel a call runs when it fixed none of tile, cluster and schedule: ``config`` (the
     runtime's rules' choice) unless its kernel spills registers or is ``latency_bound``, then the
     first of the fallbacks in ``default_candidates`` (LATENCY_FALLBACK first where ``config``
-    is latency-bound without spilling; a ping-pong kernel's unrolled twin right after it where it
-    spills) that is neither; else the first of them that does not spill (``config`` where every
+    is latency-bound without spilling; a ping-pong kernel's twin, its subtile loop in the other
+    form, right after it where it spills) that is neither; else the first of them that does not spill (``config`` where every
     one does).
 
     Spills are read from each kernel's stack frame (``CompiledKernel.stack_frame_bytes``) and
@@ -510,9 +518,8 @@ def get_default_kernel(program: Program, config: KernelConfig) -> DefaultKernel:
         latency = rejection(config, first) == "latency-bound"
         tried = []
         for candidate in default_candidates(config, latency):
-            sibling = candidate.with_(unroll_subtiles=False)
-            if candidate != sibling and tried and tried[-1][0] == sibling and not spills(tried[-1][1]):
-                continue  # the unrolled twin of a kernel that does not spill: nothing to gain
+            if tried and tried[-1][0] in _twin(candidate) and not spills(tried[-1][1]):
+                continue  # the twin of a kernel that does not spill: nothing to gain
             if tried and not _lowers(program, candidate):
                 continue  # a fallback's tile may not fit a segment, or its rings the shared memory
             entry = first if candidate is config else get_kernel(program, candidate)
@@ -563,8 +570,8 @@ def _kept_choice(memory: dict, folder: str, record: str, key: str,
 
 
 def _choice(config: KernelConfig) -> dict:
-    chosen = {"tile": list(config.tile), "cluster": list(config.cluster), "schedule": config.schedule}
-    return {**chosen, "unroll_subtiles": True} if config.unroll_subtiles else chosen
+    return {"tile": list(config.tile), "cluster": list(config.cluster), "schedule": config.schedule,
+            "unroll_subtiles": config.unroll_subtiles}
 
 
 def _read_choice(path: Path, key: str, candidates: list[KernelConfig]) -> KernelConfig | None:
@@ -653,7 +660,7 @@ def tune_candidates(config: KernelConfig) -> list[KernelConfig]:
     other field of it."""
     out = [config]
     for tile, cluster, schedule in backend(config.arch).tune_shapes:
-        candidate = config.with_(tile=tile, cluster=cluster, schedule=schedule)
+        candidate = reshaped(config, tile, schedule, cluster)
         if candidate not in out:
             out.append(candidate)
     return out
@@ -675,8 +682,8 @@ def get_tuned_kernel(program: Program, config: KernelConfig, shape: tuple[int, i
     as ``time_kernel(candidate, its CacheEntry)`` (ms, on the caller's GPU and tensors) measures it.
 
     Candidates the generator cannot build are skipped; a ping-pong one that spills is replaced by
-    its unrolled twin where that does not (``default_candidates``); those that spill are timed
-    only if every one does.  Timing stops after TUNE_BUDGET_S.  The winner is kept in memory and beside the
+    its twin where that does not (``default_candidates``); those that spill are timed only if
+    every one does.  Timing stops after TUNE_BUDGET_S.  The winner is kept in memory and beside the
     kernels (``<root>/tuned/<key>-<M>x<N>x<K>.json``, key: the rules' choice's ``cache_key``,
     written and trusted like a default's record), so a later process starts with it."""
     config = config.resolved(program)
@@ -686,16 +693,15 @@ def get_tuned_kernel(program: Program, config: KernelConfig, shape: tuple[int, i
     with _LOCK:
         key_lock = _KEY_LOCKS.setdefault(f"tuned-{record}", threading.Lock())
     with key_lock:
-        chosen = _kept_choice(_TUNED, "tuned", record, key,
-                              [twin for c in candidates for twin in (c, *_unrolled_twin(c))])
+        chosen = _kept_choice(_TUNED, "tuned", record, key, [twin for c in candidates for twin in (c, *_twin(c))])
         if chosen is not None:
             return TunedKernel(chosen, get_kernel(program, chosen), {})
         built = []
         for candidate in candidates:
             if candidate is config or _lowers(program, candidate):
                 entry = get_kernel(program, candidate)
-                for twin in _unrolled_twin(candidate) if spills(entry) else ():
-                    twin_entry = get_kernel(program, twin)  # a ping-pong kernel may not spill unrolled
+                for twin in _twin(candidate) if spills(entry) else ():
+                    twin_entry = get_kernel(program, twin)  # a ping-pong kernel may not spill the other way
                     if not spills(twin_entry):
                         candidate, entry = twin, twin_entry
                 built.append((candidate, entry))

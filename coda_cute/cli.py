@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 from .config import CLUSTER_SHAPES, DEFAULT_GPUS, DEFAULT_SWIZZLE, GPUS, SCHEDULES, SWIZZLES, TILE_SHAPES
-from .config import KernelConfig
+from .config import KernelConfig, unrolled_subtiles
 from .config import parse_operand_dtypes, parse_pair
 from .errors import CodaError, ProgramError, UnsupportedError
 from .program import Program, width_str
@@ -201,8 +201,13 @@ def _flag_config(program: Program, args) -> KernelConfig:
         raster_along_m=_raster_along_m(getattr(args, "raster", "m")), swizzle=getattr(args, "swizzle", DEFAULT_SWIZZLE),
         stage_tables=bool(getattr(args, "stage_tables", False)),
         finish_in_gemm=bool(getattr(args, "finish_in_gemm", False)),
-        unroll_subtiles=bool(getattr(args, "unroll_subtiles", False)),
+        unroll_subtiles=_unroll_subtiles(getattr(args, "unroll_subtiles", None), schedule, args.arch),
     ).check()
+
+
+def _unroll_subtiles(asked: bool | None, schedule, arch: str) -> bool:
+    """--unroll-subtiles / --no-unroll-subtiles, else the runtime's form for a large problem."""
+    return unrolled_subtiles(schedule, arch) if asked is None else asked
 
 
 def _raster_along_m(raster: str) -> bool:
@@ -275,8 +280,8 @@ def cmd_inspect(args) -> int:
         reason = rejection(config, compiled)
         if _default_path(args) and not decided and reason:
             fallbacks = ", then ".join(f"{c.schedule} {c.tile[0]}x{c.tile[1]}"
-                                       + (" unrolled while tracing where the one before spills" if c.unroll_subtiles
-                                          else "")
+                                       + ("" if c.unroll_subtiles == unrolled_subtiles(c.schedule, c.arch) else
+                                          " with the other subtile loop where the one before spills")
                                        for c in default_candidates(config, reason == "latency-bound")[1:])
             detail = (f"{compiled.stack_frame_bytes} bytes of stack frame per thread, "
                       f"{compiled.local_accesses} loads and stores of it in the SASS" if reason == "spills"
@@ -375,7 +380,9 @@ def precompile_requests(args) -> list[tuple[Program, KernelConfig]]:
                                 picked = runtime_defaults(program, tile, cluster, schedule, arch=args.arch)
                                 pairs.append((program, KernelConfig(
                                     arch=args.arch, gpu=gpu, dtype=dtype, majors=majors, tile=picked[0],
-                                    cluster=picked[1], schedule=picked[2], operand_dtypes=operand_dtypes)))
+                                    cluster=picked[1], schedule=picked[2], operand_dtypes=operand_dtypes,
+                                    finish_in_gemm=bool(args.finish_in_gemm),
+                                    unroll_subtiles=_unroll_subtiles(args.unroll_subtiles, picked[2], args.arch))))
     return pairs
 
 
@@ -483,9 +490,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, several: bool = False) ->
     group.add_argument("--finish-in-gemm", action="store_true",
                        help="reductions: the last tile of each row (column) of tiles folds the partials, instead of "
                             "a second kernel (the runtime does this for calls too small to keep the GPU busy)")
-    group.add_argument("--unroll-subtiles", action="store_true",
-                       help="sm_90a: unroll the epilogue's subtile loop while tracing instead of leaving LLVM a loop "
-                            "(slower to compile; a ping-pong default whose kernel spills falls back to it first)")
+    group.add_argument("--unroll-subtiles", action=argparse.BooleanOptionalAction, default=None,
+                       help="sm_90a: unroll the epilogue's subtile loop while tracing, or leave LLVM a loop (a third "
+                            "quicker to compile; default: unrolled for ping-pong, as the runtime builds large calls)")
     if not several:
         group.add_argument("--ab-stages", type=int, default=0, metavar="S",
                            help="mainloop stages, 2..8; fewer leave shared memory for deeper epilogue input rings "

@@ -78,10 +78,12 @@ class KernelConfig:
     #: ``runtime.host_bound`` says which calls use it
     finish_in_gemm: bool = False
     #: the epilogue's subtile loop unrolled while the kernel is traced (sm_90a), instead of a loop
-    #: in the IR that LLVM unrolls: mostly the same SASS, in about a third more compile time, but ptxas
-    #: allocates registers otherwise, and a heavy ping-pong epilogue can spill from one and not the
-    #: other (the SwiGLU backward with h at 128x192: 264 bytes from the IR loop, none unrolled);
-    #: the first fallback of a ping-pong default that spills (``cache.default_candidates``)
+    #: in the IR that LLVM unrolls: mostly the same SASS, in about a third more compile time, but
+    #: ptxas allocates the registers otherwise: a heavy ping-pong epilogue can spill from one and
+    #: not the other (the SwiGLU backward with h at 128x192: 264 bytes from the IR loop, none
+    #: unrolled) or run faster one way.  The runtime unrolls ping-pong kernels of calls that keep
+    #: the GPU busy (``unrolled_subtiles``) and tries the other form where one spills
+    #: (``cache.default_candidates``)
     unroll_subtiles: bool = False
 
     def check(self) -> "KernelConfig":
@@ -189,6 +191,15 @@ class KernelConfig:
                 + (", tables staged in smem" if self.stage_tables else "")
                 + (", reductions finished in the GEMM" if self.finish_in_gemm else "")
                 + (", subtile loop unrolled while tracing" if self.unroll_subtiles else ""))
+
+
+def unrolled_subtiles(schedule: str, arch: str) -> bool:
+    """Whether a kernel of ``schedule`` has its epilogue's subtile loop unrolled while tracing
+    (``KernelConfig.unroll_subtiles``) where the runtime chooses: sm_90a ping-pong kernels, whose
+    LM-head forward ran 1-6 % slower from the IR loop (H100, benchmarks/results "The subtile loop
+    of ping-pong kernels"); calls too small to keep the GPU busy (``runtime.host_bound``) take the
+    IR loop, a third quicker to compile, since there the host's time is what counts."""
+    return schedule == "pingpong" and arch == "sm_90a"
 
 
 def _pair_of(value) -> tuple | None:

@@ -7,7 +7,7 @@ from functools import lru_cache
 import jinja2
 
 from .backends.registry import backend
-from .config import KernelConfig
+from .config import KernelConfig, unrolled_subtiles
 from . import library
 from .library import resource_dir
 from .lower import Context, lower
@@ -57,7 +57,8 @@ def emit_command(program: Program, config: KernelConfig, reference: str | None =
     parts += [] if config.raster_along_m else ["--raster n"]
     parts += ["--stage-tables"] if config.stage_tables else []
     parts += ["--finish-in-gemm"] if config.finish_in_gemm else []
-    parts += ["--unroll-subtiles"] if config.unroll_subtiles else []
+    if config.unroll_subtiles != unrolled_subtiles(config.schedule, config.arch):  # not the CLI's default
+        parts += ["--unroll-subtiles" if config.unroll_subtiles else "--no-unroll-subtiles"]
     return " ".join(parts)
 
 

@@ -45,7 +45,7 @@ from . import reference
 from .arguments import Problem, _aligned, _row_stride_ok, bind, check_kernel_arguments, check_outputs
 from .arguments import TORCH_DTYPES, short_dtype
 from .backends.registry import BACKENDS, backend
-from .config import DEFAULT_GPUS, DEFAULT_SWIZZLE, GPU_ARCHS, GPUS, KernelConfig
+from .config import DEFAULT_GPUS, DEFAULT_SWIZZLE, GPU_ARCHS, GPUS, KernelConfig, unrolled_subtiles
 from .errors import ArgumentError, ProgramError, UnsupportedError
 from .lower import fits_shared_memory, lower, tables_in_segment_reductions
 from .primitives import check_scalar
@@ -151,14 +151,16 @@ class Kernel:
             if reason and self.stage_tables:
                 raise ArgumentError(f"{reason} (or stage_tables=False: gathered)")
             staged = reason is None
+        small = host_bound(self.program, problem, arch)
         config = KernelConfig(
             arch=arch, gpu=gpu, dtype=short_dtype(a.dtype), majors=majors,
             tile=tuple(tile), cluster=tuple(cluster), schedule=schedule,
             ab_stages=self.ab_stages, epi_stages=self.epi_stages, in_stages=self.in_stages,
             raster_along_m=self.raster_along_m, swizzle=self.swizzle,
             operand_dtypes=operand_dtypes, table_periods=table_periods, stage_tables=staged,
-            finish_in_gemm=bool(self.program.reductions) and (
-                host_bound(self.program, problem, arch) if self.finish_in_gemm is None else self.finish_in_gemm),
+            finish_in_gemm=bool(self.program.reductions) and (small if self.finish_in_gemm is None
+                                                              else self.finish_in_gemm),
+            unroll_subtiles=unrolled_subtiles(schedule, arch) and not small,
         ).check()
         if staged and self.stage_tables is None and not fits_shared_memory(self.program, config):
             # chosen here, not asked for: where the tables' rings do not fit beside the stages

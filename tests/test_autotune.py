@@ -58,7 +58,7 @@ def test_the_fastest_kernel_that_does_not_spill_runs_and_is_remembered(cache_dir
     record = json.loads(record_path.read_text())
     assert record_path.stem == f"{cache.cache_key(geglu_save, rules)}-8192x4096x4096"
     assert record["chosen"] == {"tile": list(tuned.config.tile), "cluster": list(tuned.config.cluster),
-                                "schedule": tuned.config.schedule}
+                                "schedule": tuned.config.schedule, "unroll_subtiles": tuned.config.unroll_subtiles}
     assert cache.short_config(rules) in record["spilling"] and len(record["ms"]) == len(set(timed))
     assert oct(record_path.stat().st_mode & 0o777) == oct(0o600)
 

@@ -83,7 +83,8 @@ def test_show_prints_the_program_listing(capsys):
     ("residual_sumsq", ["--tile", "64x256", "--cluster", "1x1", "--operand-dtype", "residual=f32"]),
     ("residual_sumsq", ["--ab-stages", "3"]),  # the residual ring then holds the whole tile
     ("rmsnorm_bwd", ["--finish-in-gemm"]),  # reductions folded by the GEMM's last tiles
-    ("swiglu_bwd_recompute", ["--tile", "128x192", "--schedule", "pingpong", "--unroll-subtiles"]),  # its default
+    ("swiglu_bwd", ["--tile", "128x192", "--schedule", "pingpong", "--no-unroll-subtiles"]),  # small calls' form
+    ("swiglu", ["--unroll-subtiles"]),  # a cooperative kernel unrolled while tracing
     ("gemm", ["--raster", "n", "--swizzle", "8"]),
     ("gemm", ["--swizzle", "1"]),  # CuTe's walk as it is, no swizzled_tile
     ("rms_scale_gamma", ["--tile", "64x256", "--schedule", "pingpong", "--operand-dtype", "rstd=f32",
@@ -149,7 +150,8 @@ def test_emit_defaults_to_the_kernel_the_runtime_picks(capsys):
     tile, cluster, schedule = runtime_defaults(program)
     assert (tile, schedule) == ((128, 192), "pingpong")  # a heavy epilogue (2N-wide tiles)
     code, out, _ = cli(capsys, "emit", "swiglu_bwd")
-    assert code == 0 and out == emit(program, KernelConfig(tile=tile, cluster=cluster, schedule=schedule))
+    assert code == 0 and out == emit(program, KernelConfig(tile=tile, cluster=cluster, schedule=schedule,
+                                                           unroll_subtiles=True))  # as large calls have it
 
 
 @pytest.mark.compile
@@ -377,6 +379,16 @@ def test_precompile_defaults_are_the_keys_the_runtime_asks_for(name):
     the cache key a real call computes (operand dtypes spelled out as the runtime does)."""
     [(program, config)] = precompile_requests(build_parser().parse_args(["precompile", name]))
     assert cache_key(program, config) == _runtime_key(name)
+
+
+def test_precompile_builds_what_small_calls_run_when_told():
+    """A call too small to keep the GPU busy finishes its reductions in the GEMM and leaves a
+    ping-pong kernel's subtile loop to LLVM; the two flags ask precompile for that kernel."""
+    args = build_parser().parse_args(["precompile", "swiglu_bwd_recompute", "--tile", "128x128", "--schedule",
+                                      "pingpong", "--finish-in-gemm", "--no-unroll-subtiles"])
+    [(program, config)] = precompile_requests(args)
+    assert config.finish_in_gemm and not config.unroll_subtiles
+    assert cache_key(program, config) == _runtime_key("swiglu_bwd_recompute", m=128, n=1024, k=128)
 
 
 def test_precompile_operand_dtype_reaches_the_key():

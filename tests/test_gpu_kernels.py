@@ -444,9 +444,10 @@ def test_heavy_epilogue_default_at_a_deep_k(name):
     assert (config.tile, config.schedule) == ((128, 256), "cooperative")
 
 
-def test_a_ping_pong_default_that_spills_from_the_ir_loop_runs_unrolled():
-    """The SwiGLU backward with h at K <= 4096: ping-pong 128x192, whose subtile loop ptxas
-    spills from the IR and not unrolled while tracing (KernelConfig.unroll_subtiles)."""
+def test_a_ping_pong_default_of_a_large_call_runs_unrolled():
+    """The SwiGLU backward with h at K <= 4096: ping-pong 128x192 with its subtile loop unrolled
+    while tracing (KernelConfig.unroll_subtiles), from the IR's loop ptxas spills it; the small
+    calls of test_library_program run the IR's loop."""
     config = run_and_compare(library.get("swiglu_bwd_recompute"), 1500, 4104, 2056)
     assert (config.tile, config.schedule, config.unroll_subtiles) == ((128, 192), "pingpong", True)
 
