@@ -47,6 +47,9 @@ INPUTS = [
      "block's coda-cute wall times spread 12 %."),
     ("results/archive/2026-12-06j-h100-d2048-mlp-block-70ca0fe.json",
      "On an H100 80GB HBM3: GPU times of a step profiled after 150 ms of steps (2a5a196). 5 rounds."),
+    ("results/archive/2026-12-07i-h100-runtime-e49c270.json",
+     "On an H100 80GB HBM3 (our GEMM compiled in 0.95 s), the ping-pong programs and the GEMM only: small calls' "
+     "ping-pong kernels loop over their subtiles in the IR (e49c270)."),
     ("results/archive/2026-12-07-h100-runtime-e30f68b.json",
      "On an H100 80GB HBM3 whose host compiles 1.6x slower than e9691e1's (our GEMM 1.23 vs 0.77 s): tiny calls "
      "finish their reductions in the GEMM (4215d1b), so their kernels are the ones compiled and timed."),
