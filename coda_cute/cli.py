@@ -359,18 +359,25 @@ def precompile_requests(args) -> list[tuple[Program, KernelConfig]]:
         for value in values or []:
             KernelConfig(**{field: value}).check()
     if args.all:  # --operand-dtype residual=f32 --all: for the programs that have a `residual`
-        everywhere = {op.name for p in programs for op in p.operands if op.kind != "scalar"}
-        for item in args.operand_dtype or []:
-            if item.partition("=")[0].strip() not in everywhere:
-                raise UnsupportedError(f"--operand-dtype {item}: no library program has a tensor operand "
-                                       f"named {item.partition('=')[0].strip()!r}")
+        for flag, items, kinds in (("--operand-dtype", args.operand_dtype, None), ("--table-period", args.table_period,
+                                                                                   ("table",))):
+            everywhere = {op.name for p in programs for op in p.operands if op.kind != "scalar"
+                          and (kinds is None or op.kind in kinds)}
+            for item in items or []:
+                if item.partition("=")[0].strip() not in everywhere:
+                    raise UnsupportedError(f"{flag} {item}: no library program has a "
+                                           f"{'table' if kinds else 'tensor'} operand named "
+                                           f"{item.partition('=')[0].strip()!r}")
     pairs = []
     for program in programs:
-        items = args.operand_dtype or []
+        items, periods = args.operand_dtype or [], args.table_period or []
         if args.all:
             tensors = {op.name for op in program.operands if op.kind != "scalar"}
             items = [item for item in items if item.partition("=")[0].strip() in tensors]
+            tables = {op.name for op in program.operands if op.kind == "table"}
+            periods = [item for item in periods if item.partition("=")[0].strip() in tables]
         operand_dtypes = parse_operand_dtypes(program, items)
+        table_periods = parse_table_periods(program, periods)
         for gpu in gpus:
             for dtype in args.dtype or [KernelConfig.dtype]:
                 for majors in args.majors or [KernelConfig.majors]:
@@ -381,6 +388,7 @@ def precompile_requests(args) -> list[tuple[Program, KernelConfig]]:
                                 pairs.append((program, KernelConfig(
                                     arch=args.arch, gpu=gpu, dtype=dtype, majors=majors, tile=picked[0],
                                     cluster=picked[1], schedule=picked[2], operand_dtypes=operand_dtypes,
+                                    table_periods=table_periods, stage_tables=bool(args.stage_tables),
                                     finish_in_gemm=bool(args.finish_in_gemm),
                                     unroll_subtiles=_unroll_subtiles(args.unroll_subtiles, picked[2], args.arch))))
     return pairs

@@ -20,6 +20,7 @@ from coda_cute.cache import cache_key, list_entries
 from coda_cute.precompile import precompile
 from coda_cute.cli import build_parser, main, precompile_requests
 from coda_cute.config import KernelConfig
+from coda_cute.errors import UnsupportedError
 from coda_cute.render import emit
 from coda_cute.runtime import Kernel, runtime_defaults
 
@@ -389,6 +390,20 @@ def test_precompile_builds_what_small_calls_run_when_told():
     [(program, config)] = precompile_requests(args)
     assert config.finish_in_gemm and not config.unroll_subtiles
     assert cache_key(program, config) == _runtime_key("swiglu_bwd_recompute", m=128, n=1024, k=128)
+
+
+def test_precompile_table_flags_reach_the_config():
+    """--table-period and --stage-tables build the kernel a call with staged tables runs; with
+    --all, a period goes to the programs with that table, and a name none has is an error."""
+    args = build_parser().parse_args(["precompile", "rope_qkv", "--table-period", "cos=64", "--table-period", "sin=64",
+                                      "--stage-tables"])
+    [(program, config)] = precompile_requests(args)
+    assert config.stage_tables and config.table_periods == (("cos", 64), ("sin", 64))
+    pairs = precompile_requests(build_parser().parse_args(["precompile", "--all", "--table-period", "cos=64"]))
+    assert {p.name for p, c in pairs if c.table_periods} == {p.name for p, _ in pairs
+                                                             if any(op.name == "cos" for op in p.operands)}
+    with pytest.raises(UnsupportedError, match="--table-period cosine=64: no library program has a table operand"):
+        precompile_requests(build_parser().parse_args(["precompile", "--all", "--table-period", "cosine=64"]))
 
 
 def test_precompile_operand_dtype_reaches_the_key():
