@@ -96,15 +96,15 @@ class Kernel:
                  cluster: tuple[int, int] | None = None, schedule: str | None = None, gpu: str | None = None,
                  ab_stages: int = 0, epi_stages: int = 0, in_stages: int = 0,
                  raster_along_m: bool = True, swizzle: int = DEFAULT_SWIZZLE, stage_tables: bool | None = None,
-                 finish_in_gemm: bool | None = None, strict: bool = True, autotune: bool = False,
-                 arch: str | None = None):
+                 finish_in_gemm: bool | None = None, unroll_subtiles: bool | None = None, strict: bool = True,
+                 autotune: bool = False, arch: str | None = None):
         if not isinstance(program, Program):
             raise ProgramError(f"Kernel needs a coda_cute Program (@coda_cute.epilogue), got {type(program).__name__}")
-        if stage_tables not in (None, True, False) or finish_in_gemm not in (None, True, False) \
+        if any(v is not None and type(v) is not bool for v in (stage_tables, finish_in_gemm, unroll_subtiles)) \
                 or type(strict) is not bool or type(autotune) is not bool:
-            raise UnsupportedError(f"stage_tables and finish_in_gemm must be None, True or False, strict and autotune "
-                                   f"True or False, got {stage_tables!r}, {finish_in_gemm!r}, {strict!r} and "
-                                   f"{autotune!r}")
+            raise UnsupportedError(f"stage_tables, finish_in_gemm and unroll_subtiles must be None, True or False, "
+                                   f"strict and autotune True or False, got {stage_tables!r}, {finish_in_gemm!r}, "
+                                   f"{unroll_subtiles!r}, {strict!r} and {autotune!r}")
         if autotune and (tile, cluster, schedule) != (None, None, None):
             raise UnsupportedError("autotune=True chooses the tile, cluster and schedule by timing them: leave "
                                    f"them unset (got tile={tile}, cluster={cluster}, schedule={schedule})")
@@ -124,6 +124,10 @@ class Kernel:
         # reductions folded by the GEMM's last tiles (KernelConfig.finish_in_gemm). None: in calls
         # too small to keep the GPU busy (host_bound), else by a second kernel; True, False: always
         self.finish_in_gemm = finish_in_gemm
+        # the epilogue's subtile loop unrolled while tracing (KernelConfig.unroll_subtiles). None:
+        # for ping-pong kernels of calls that keep the GPU busy (config.unrolled_subtiles), else a
+        # loop LLVM unrolls; True, False: always
+        self.unroll_subtiles = unroll_subtiles
         self.launches = 0
         self.last: Launch | None = None
         self._plans: dict = {}
@@ -160,7 +164,8 @@ class Kernel:
             operand_dtypes=operand_dtypes, table_periods=table_periods, stage_tables=staged,
             finish_in_gemm=bool(self.program.reductions) and (small if self.finish_in_gemm is None
                                                               else self.finish_in_gemm),
-            unroll_subtiles=unrolled_subtiles(schedule, arch) and not small,
+            unroll_subtiles=(unrolled_subtiles(schedule, arch) and not small if self.unroll_subtiles is None
+                             else self.unroll_subtiles),
         ).check()
         if staged and self.stage_tables is None and not fits_shared_memory(self.program, config):
             # chosen here, not asked for: where the tables' rings do not fit beside the stages

@@ -92,8 +92,29 @@ def test_small_calls_finish_their_reductions_in_the_gemm():
     plain = library.get("bias_gelu")
     a, b = torch.empty(128, 128, dtype=torch.bfloat16), torch.empty(128, 128, dtype=torch.bfloat16)
     assert not Kernel(plain, finish_in_gemm=True).config_for(bind(plain, a, b, {"bias": torch.empty(128)})).finish_in_gemm
-    with pytest.raises(UnsupportedError, match="finish_in_gemm must be None, True or False"):
+    with pytest.raises(UnsupportedError, match="finish_in_gemm and unroll_subtiles must be None, True or False"):
         Kernel(program, finish_in_gemm="yes")
+
+
+def test_ping_pong_kernels_of_large_calls_unroll_their_subtile_loop_while_tracing():
+    """config.unrolled_subtiles: ping-pong kernels of calls that keep the GPU busy unroll their
+    epilogue's subtile loop while tracing; small (host-bound) calls and cooperative kernels leave
+    it to LLVM; unroll_subtiles=True or False fixes it."""
+    def config(program, m, n, k, **kwargs):
+        a, b = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16)
+        operands = {op.name: torch.empty(m, int(n * op.width), dtype=a.dtype) for op in program.operands}
+        return Kernel(program, **kwargs).config_for(bind(program, a, b, operands))
+
+    swiglu_bwd, swiglu = library.get("swiglu_bwd"), library.get("swiglu")
+    large = config(swiglu_bwd, 8192, 4096, 4096)
+    assert large.schedule == "pingpong" and large.unroll_subtiles
+    small = config(swiglu_bwd, 128, 1024, 128)
+    assert small.schedule == "pingpong" and not small.unroll_subtiles
+    assert not config(swiglu, 8192, 4096, 4096).unroll_subtiles  # cooperative
+    assert not config(swiglu_bwd, 8192, 4096, 4096, unroll_subtiles=False).unroll_subtiles
+    assert config(swiglu, 8192, 4096, 4096, unroll_subtiles=True).unroll_subtiles
+    with pytest.raises(UnsupportedError, match="unroll_subtiles must be None, True or False"):
+        Kernel(swiglu, unroll_subtiles=1)
 
 
 def test_plan_writes_into_caller_outputs_and_returns_partials():
