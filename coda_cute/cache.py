@@ -496,8 +496,8 @@ def get_default_kernel(program: Program, config: KernelConfig) -> DefaultKernel:
     runtime's rules' choice) unless its kernel spills registers or is ``latency_bound``, then the
     first of the fallbacks in ``default_candidates`` (LATENCY_FALLBACK first where ``config``
     is latency-bound without spilling; a ping-pong kernel's twin, its subtile loop in the other
-    form, right after it where it spills) that is neither; else the first of them that does not spill (``config`` where every
-    one does).
+    form, right after it where it spills) that is neither; else the first of them that does not
+    spill (``config`` where every one does).
 
     Spills are read from each kernel's stack frame (``CompiledKernel.stack_frame_bytes``) and
     its length from its SASS (``CompiledKernel.instructions``), both free at compile time and kept
