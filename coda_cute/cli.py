@@ -40,6 +40,7 @@ Errors the user can fix (``coda_cute.errors.CodaError``) print as one line,
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import sys
@@ -185,12 +186,14 @@ def _decided(program: Program, args, config: KernelConfig) -> KernelConfig | Non
     return cached_default(program, config)
 
 
-def _flag_config(program: Program, args) -> KernelConfig:
-    """The kernel the flags describe; what they leave out follows `Kernel`'s rules."""
+def _flag_config(program: Program, args, *, check: bool = True, **one) -> KernelConfig:
+    """The kernel the flags describe; what they leave out follows `Kernel`'s rules.  ``one``:
+    the values of flags that precompile takes several of, one combination (``precompile_requests``)."""
+    args = argparse.Namespace(**{**vars(args), **one})
     tile, cluster, schedule = runtime_defaults(  # an unknown schedule is kept, for check() to name
         program, parse_tile(args.tile) if args.tile else None, parse_cluster(args.cluster) if args.cluster else None,
         args.schedule, arch=args.arch)
-    return KernelConfig(
+    config = KernelConfig(
         arch=args.arch, gpu=args.gpu or DEFAULT_GPUS.get(args.arch, KernelConfig.gpu), dtype=args.dtype,
         majors=args.majors,
         tile=tile, cluster=cluster, schedule=schedule,
@@ -202,7 +205,8 @@ def _flag_config(program: Program, args) -> KernelConfig:
         stage_tables=bool(getattr(args, "stage_tables", False)),
         finish_in_gemm=bool(getattr(args, "finish_in_gemm", False)),
         unroll_subtiles=_unroll_subtiles(getattr(args, "unroll_subtiles", None), schedule, args.arch),
-    ).check()
+    )
+    return config.check() if check else config
 
 
 def _unroll_subtiles(asked: bool | None, schedule, arch: str) -> bool:
@@ -343,11 +347,12 @@ def precompile_requests(args) -> list[tuple[Program, KernelConfig]]:
     from . import library
 
     programs = list(library.programs().values()) if args.all else [library.resolve(n) for n in args.names]
-    tiles = [parse_tile(t) for t in args.tile] if args.tile else [None]
-    clusters = [parse_cluster(c) for c in args.cluster] if args.cluster else [None]
-    schedules = args.schedule or [None]
     # Each value on its own must be valid (a typo is an error); combinations that do not go
     # together (a ping-pong schedule with a 128x256 tile) are skipped by precompile_pairs.
+    for tile in args.tile or []:
+        parse_tile(tile)
+    for cluster in args.cluster or []:
+        parse_cluster(cluster)
     for schedule in args.schedule or []:
         if schedule not in SCHEDULES:
             raise UnsupportedError(f"schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
@@ -376,21 +381,12 @@ def precompile_requests(args) -> list[tuple[Program, KernelConfig]]:
             items = [item for item in items if item.partition("=")[0].strip() in tensors]
             tables = {op.name for op in program.operands if op.kind == "table"}
             periods = [item for item in periods if item.partition("=")[0].strip() in tables]
-        operand_dtypes = parse_operand_dtypes(program, items)
-        table_periods = parse_table_periods(program, periods)
-        for gpu in gpus:
-            for dtype in args.dtype or [KernelConfig.dtype]:
-                for majors in args.majors or [KernelConfig.majors]:
-                    for tile in tiles:
-                        for cluster in clusters:
-                            for schedule in schedules:
-                                picked = runtime_defaults(program, tile, cluster, schedule, arch=args.arch)
-                                pairs.append((program, KernelConfig(
-                                    arch=args.arch, gpu=gpu, dtype=dtype, majors=majors, tile=picked[0],
-                                    cluster=picked[1], schedule=picked[2], operand_dtypes=operand_dtypes,
-                                    table_periods=table_periods, stage_tables=bool(args.stage_tables),
-                                    finish_in_gemm=bool(args.finish_in_gemm),
-                                    unroll_subtiles=_unroll_subtiles(args.unroll_subtiles, picked[2], args.arch))))
+        combinations = itertools.product(gpus, args.dtype or [KernelConfig.dtype], args.majors or [KernelConfig.majors],
+                                         args.tile or [None], args.cluster or [None], args.schedule or [None])
+        for gpu, dtype, majors, tile, cluster, schedule in combinations:
+            pairs.append((program, _flag_config(program, args, check=False, gpu=gpu, dtype=dtype, majors=majors,
+                                                tile=tile, cluster=cluster, schedule=schedule, operand_dtype=items,
+                                                table_period=periods)))
     return pairs
 
 
