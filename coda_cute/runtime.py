@@ -105,9 +105,10 @@ class Kernel:
             raise UnsupportedError(f"stage_tables, finish_in_gemm and unroll_subtiles must be None, True or False, "
                                    f"strict and autotune True or False, got {stage_tables!r}, {finish_in_gemm!r}, "
                                    f"{unroll_subtiles!r}, {strict!r} and {autotune!r}")
-        if autotune and (tile, cluster, schedule) != (None, None, None):
-            raise UnsupportedError("autotune=True chooses the tile, cluster and schedule by timing them: leave "
-                                   f"them unset (got tile={tile}, cluster={cluster}, schedule={schedule})")
+        if autotune and (tile, cluster, schedule, unroll_subtiles) != (None, None, None, None):
+            raise UnsupportedError("autotune=True chooses the tile, cluster and schedule (and the subtile loop's form) "
+                                   f"by timing them: leave them unset (got tile={tile}, cluster={cluster}, "
+                                   f"schedule={schedule}, unroll_subtiles={unroll_subtiles})")
         self.autotune = autotune
         _check_settings(tile, cluster, schedule, gpu, ab_stages, epi_stages, in_stages, raster_along_m, swizzle,
                         arch)
@@ -126,7 +127,8 @@ class Kernel:
         self.finish_in_gemm = finish_in_gemm
         # the epilogue's subtile loop unrolled while tracing (KernelConfig.unroll_subtiles). None:
         # for ping-pong kernels of calls that keep the GPU busy (config.unrolled_subtiles), else a
-        # loop LLVM unrolls; True, False: always
+        # loop LLVM unrolls, and the other form where that spills; True, False: always, built as
+        # given like a fixed tile (kernel_for)
         self.unroll_subtiles = unroll_subtiles
         self.launches = 0
         self.last: Launch | None = None
@@ -213,22 +215,24 @@ class Kernel:
         """(the configuration calls run, its ``cache.CacheEntry``) for ``config`` from ``config_for``,
         compiled for its arch (no GPU needed) or from the cache: with ``autotune`` and the call's
         ``problem`` on the GPU, the fastest candidate there (``cache.get_tuned_kernel``); where this
-        Kernel fixes none of tile, cluster and schedule, the rules' choice unless it spills or runs
-        latency-bound (``cache.get_default_kernel``); else exactly ``config``, with a SpillWarning where it spills."""
+        Kernel fixes none of tile, cluster, schedule and unroll_subtiles, the rules' choice unless it
+        spills or runs latency-bound (``cache.get_default_kernel``); else exactly ``config``, with a
+        SpillWarning where it spills."""
         from .cache import get_default_kernel, get_kernel, get_tuned_kernel, spills
 
         if self.autotune and problem is not None and problem.a.is_cuda:
             tuned = get_tuned_kernel(self.program, config, (problem.m, problem.n, problem.k),
                                      _candidate_timer(self.program, problem))
             return tuned.config, tuned.entry
-        if self.tile is None and self.cluster is None and self.schedule is None:
+        if (self.tile, self.cluster, self.schedule, self.unroll_subtiles) == (None, None, None, None):
             default = get_default_kernel(self.program, config)
             return default.config, default.entry
         entry = get_kernel(self.program, config)
         if spills(entry):
             warnings.warn(f"{self.program.name}: the kernel at {config.describe()} spills registers "
-                          f"({entry.stack_frame_bytes} bytes of stack frame per thread); with tile, cluster and "
-                          "schedule left unset, calls run a configuration that does not spill where one exists",
+                          f"({entry.stack_frame_bytes} bytes of stack frame per thread); with tile, cluster, "
+                          "schedule and unroll_subtiles left unset, calls run a configuration that does not spill "
+                          "where one exists",
                           SpillWarning, stacklevel=2)
         return config, entry
 

@@ -94,6 +94,8 @@ def test_timing_stops_at_the_budget_after_one_candidate(cache_dir, monkeypatch):
 def test_autotune_takes_no_fixed_tile_and_leaves_cpu_calls_alone(gen):
     with pytest.raises(UnsupportedError, match="leave them unset"):
         Kernel(geglu_save, autotune=True, tile=(128, 128))
+    with pytest.raises(UnsupportedError, match="leave them unset"):
+        Kernel(geglu_save, autotune=True, unroll_subtiles=False)
     with pytest.raises(UnsupportedError, match="autotune True or False"):
         Kernel(geglu_save, autotune="yes")
     a, b = torch.randn(16, 64, generator=gen).bfloat16(), torch.randn(32, 64, generator=gen).bfloat16()

@@ -131,10 +131,11 @@ def test_a_spilling_default_runs_a_candidate_that_does_not_and_the_decision_is_k
     assert list(cache._MEMORY) == [cache.cache_key(geglu_save, default)]
     assert cache.cached_default(geglu_save, rules) == default
 
-    # a caller who fixes the spilling configuration gets it, with a warning
-    fixed = Kernel(geglu_save, tile=(128, 192), schedule="pingpong")
-    with pytest.warns(SpillWarning, match="spills registers"):
-        assert fixed.kernel_for(rules)[0] == rules
+    # a caller who fixes the spilling configuration gets it, with a warning; so does one who
+    # fixes the subtile loop's form, which the fallbacks would change
+    for fixed in (Kernel(geglu_save, tile=(128, 192), schedule="pingpong"), Kernel(geglu_save, unroll_subtiles=True)):
+        with pytest.warns(SpillWarning, match="spills registers"):
+            assert fixed.kernel_for(rules)[0] == rules
 
 
 def test_a_few_values_parked_once_per_tile_are_no_spill():
