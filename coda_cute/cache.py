@@ -460,7 +460,7 @@ def default_candidates(config: KernelConfig, latency: bool = False) -> list[Kern
         fallbacks.insert(0, reshaped(config, *LATENCY_FALLBACK))
     candidates = [config] + [c for c in fallbacks
                              if c.schedule != config.schedule or _accumulators(c) < _accumulators(config)]
-    return [twin for c in candidates for twin in (c, *_twin(c))]
+    return _with_twins(candidates)
 
 
 def reshaped(config: KernelConfig, tile: tuple[int, int], schedule: str, cluster=None) -> KernelConfig:
@@ -476,6 +476,11 @@ def _twin(config: KernelConfig) -> tuple[KernelConfig, ...]:
     if config.schedule != "pingpong" or config.arch != "sm_90a":
         return ()
     return (config.with_(unroll_subtiles=not config.unroll_subtiles),)
+
+
+def _with_twins(candidates: list[KernelConfig]) -> list[KernelConfig]:
+    """``candidates``, each followed by its ``_twin`` where it has one."""
+    return [twin for c in candidates for twin in (c, *_twin(c))]
 
 
 _DEFAULTS: dict[str, KernelConfig] = {}  # cache key of the rules' choice -> the configuration calls run
@@ -693,7 +698,7 @@ def get_tuned_kernel(program: Program, config: KernelConfig, shape: tuple[int, i
     with _LOCK:
         key_lock = _KEY_LOCKS.setdefault(f"tuned-{record}", threading.Lock())
     with key_lock:
-        chosen = _kept_choice(_TUNED, "tuned", record, key, [twin for c in candidates for twin in (c, *_twin(c))])
+        chosen = _kept_choice(_TUNED, "tuned", record, key, _with_twins(candidates))
         if chosen is not None:
             return TunedKernel(chosen, get_kernel(program, chosen), {})
         built = []
