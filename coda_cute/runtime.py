@@ -149,15 +149,15 @@ class Kernel:
         # the arch asked for, or the one of the GPU named, or of the device (CPU: Hopper's)
         arch = self.arch or (device_arch(a.device) if a.is_cuda else KernelConfig.arch)
         gpu = self.gpu or (gpu_model(a.device, arch) if a.is_cuda else DEFAULT_GPUS[arch])
+        small = host_bound(self.program, problem, arch)
         tile, cluster, schedule = fill_config(self.program, problem.m, problem.n, self.tile, self.cluster,
-                                              self.schedule, arch, GPUS[gpu], problem.k)
+                                              self.schedule, arch, GPUS[gpu], problem.k, small)
         staged = self.stage_tables is not False and any(op.kind == "table" for op in self.program.operands)
         if staged:
             reason = stageable_tables(self.program, problem, backend(arch).cta_tile(tile)[0])
             if reason and self.stage_tables:
                 raise ArgumentError(f"{reason} (or stage_tables=False: gathered)")
             staged = reason is None
-        small = host_bound(self.program, problem, arch)
         config = KernelConfig(
             arch=arch, gpu=gpu, dtype=short_dtype(a.dtype), majors=majors,
             tile=tuple(tile), cluster=tuple(cluster), schedule=schedule,
@@ -468,11 +468,12 @@ def host_bound(program: Program, problem: Problem, arch: str) -> bool:
 
 
 def fill_config(program: Program, m: int, n: int, tile=None, cluster=None, schedule=None,
-                arch: str = KernelConfig.arch, sms: int = GPUS[KernelConfig.gpu], k: int | None = None) -> tuple:
+                arch: str = KernelConfig.arch, sms: int = GPUS[KernelConfig.gpu], k: int | None = None,
+                small: bool = False) -> tuple:
     """(tile, cluster, schedule) with what the caller left out (None) filled by the defaults for
-    an M x N output of a K-deep product (K None: a large problem's) on a GPU of ``sms`` SMs: a
-    tile alone runs cooperative, a schedule alone gets that schedule's default tile, a missing
-    cluster follows the default cluster rule.  An arch whose backend has defaults
+    an M x N output of a K-deep product (K None: a large problem's; ``small``: a ``host_bound``
+    call's) on a GPU of ``sms`` SMs: a tile alone runs cooperative, a schedule alone gets that
+    schedule's default tile, a missing cluster follows the default cluster rule.  An arch whose backend has defaults
     of its own (``Backend.defaults``) fills from those (a cluster: ``Backend.default_cluster``).
     `Kernel` fills its configs here, the CLI through ``runtime_defaults``."""
     fixed = backend(arch).defaults if arch in BACKENDS else None
@@ -481,7 +482,7 @@ def fill_config(program: Program, m: int, n: int, tile=None, cluster=None, sched
         return tile, tuple(cluster or backend(arch).default_cluster(tile)), schedule or fixed[2]
     if tile is not None and schedule is None:
         schedule = "cooperative"
-    default = default_tile(program, m, n, schedule, sms, k)
+    default = default_tile(program, m, n, schedule, sms, k, small)
     return tile or default[0], cluster or default[1], schedule or default[2]
 
 
@@ -496,14 +497,14 @@ def runtime_defaults(program: Program, tile=None, cluster=None, schedule=None,
 
 
 def default_tile(program: Program, m: int, n: int, schedule: str | None = None, sms: int = GPUS[KernelConfig.gpu],
-                 k: int | None = None) -> tuple[tuple[int, int], tuple[int, int], str]:
+                 k: int | None = None, small: bool = False) -> tuple[tuple[int, int], tuple[int, int], str]:
     """Tile, cluster and schedule for an M x N output of a K-deep product on a GPU of ``sms``
     SMs: 128x256 with a 2-CTA cluster for big outputs; ping-pong 128x192 for programs with a
     heavy epilogue (see _heavy_epilogue) up to K = PINGPONG_MAX_K (None: taken as within it),
     or 128x128 where 192-column tiles fill the last wave of tiles so poorly that the smaller
-    tile finishes first (_pingpong_tile).  With a ``schedule`` asked for, the tile for that
-    schedule: as above where the epilogue is heavy, else 128x128 (every library program
-    compiles there without spills)."""
+    tile finishes first (_pingpong_tile); cooperative 128x128 for a ``small`` call
+    (SMALL_CALL_TILE).  With a ``schedule`` asked for, the tile for that schedule: as above where
+    the epilogue is heavy, else 128x128 (every library program compiles there without spills)."""
     # measured on H200 (benchmarks/results, d = 4096): 128x256 with a 1x2 cluster leads for the
     # GEMM and light epilogues; ping-pong 128x192, where one warpgroup's epilogue runs while the
     # other's WGMMAs keep the tensor cores busy, leads where the epilogue is heavy (SwiGLU bwd
@@ -515,12 +516,22 @@ def default_tile(program: Program, m: int, n: int, schedule: str | None = None, 
     heavy = _heavy_epilogue(program)
     if schedule == "pingpong":
         return (_pingpong_tile(m, n, sms) if heavy else (128, 128)), cluster, "pingpong"
+    if small:
+        return SMALL_CALL_TILE[0], cluster, SMALL_CALL_TILE[1]
     if n <= 128:
         return (128, 128), cluster, "cooperative"
     if n >= 1024 and heavy and schedule is None and (k is None or k <= PINGPONG_MAX_K):
         return _pingpong_tile(m, n, sms), cluster, "pingpong"
     return (128, 256), cluster, "cooperative"
 
+
+#: the tile of a call too small to keep the GPU busy (``host_bound``), whose first call waits for
+#: the compile and whose GPU time hides behind the host's: cooperative 128x128 gives each thread
+#: 64 accumulators where ping-pong 128x128 and cooperative 128x256 give 128, which halves the
+#: epilogue's code, and cuts a library kernel's compile by 10-35 % (median 28 %; development CPU,
+#: benchmarks/results "Runtime costs"); with a wave of tiles or less, both warpgroups work on each
+#: tile where a ping-pong tile has one
+SMALL_CALL_TILE = ((128, 128), "cooperative")
 
 #: the deepest K at which heavy epilogues default to ping-pong.  Llama MLP and block training
 #: steps on an H100 (2026-12-06, benchmarks/results "Llama block"), sustained, with every

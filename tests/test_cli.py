@@ -357,9 +357,9 @@ def test_real_process(kind, tmp_path):
 
 
 # ----------------------------------------------------------------------------- cache / precompile
-def _runtime_key(name: str, m=8192, n=8192, k=64, **dtypes):
-    """The cache key a GPU call of Kernel(program) would ask for at the large problem precompile
-    builds for (8192 x 8192, computed on CPU tensors)."""
+def _runtime_key(name: str, m=8192, n=8192, k=64, schedule=None, **dtypes):
+    """The cache key a GPU call of Kernel(program, schedule=schedule) would ask for at the large
+    problem precompile builds for (8192 x 8192, computed on CPU tensors)."""
     program = library.get(name)
     a, b = torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.bfloat16)
     operands = {}
@@ -370,7 +370,7 @@ def _runtime_key(name: str, m=8192, n=8192, k=64, **dtypes):
             cols = int(n * op.width) if op.width is not None else None
             shape = {"row": (m,), "col": (cols,), "tile": (m, cols), "table": (4, 8)}[op.kind]
             operands[op.name] = torch.zeros(shape, dtype=dtypes.get(op.name, torch.bfloat16))
-    config = Kernel(program, gpu="H200").config_for(bind(program, a, b, operands))
+    config = Kernel(program, gpu="H200", schedule=schedule).config_for(bind(program, a, b, operands))
     return cache_key(program, config)
 
 
@@ -383,13 +383,19 @@ def test_precompile_defaults_are_the_keys_the_runtime_asks_for(name):
 
 
 def test_precompile_builds_what_small_calls_run_when_told():
-    """A call too small to keep the GPU busy finishes its reductions in the GEMM and leaves a
-    ping-pong kernel's subtile loop to LLVM; the two flags ask precompile for that kernel."""
+    """A call too small to keep the GPU busy runs cooperative 128x128 and finishes its reductions
+    in the GEMM: --tile 128x128 --finish-in-gemm ask precompile for that kernel; with ping-pong
+    asked for, such a call leaves the subtile loop to LLVM (--no-unroll-subtiles)."""
+    args = build_parser().parse_args(["precompile", "swiglu_bwd_recompute", "--tile", "128x128", "--finish-in-gemm"])
+    [(program, config)] = precompile_requests(args)
+    assert config.finish_in_gemm and (config.tile, config.schedule) == ((128, 128), "cooperative")
+    assert cache_key(program, config) == _runtime_key("swiglu_bwd_recompute", m=128, n=1024, k=128)
     args = build_parser().parse_args(["precompile", "swiglu_bwd_recompute", "--tile", "128x128", "--schedule",
                                       "pingpong", "--finish-in-gemm", "--no-unroll-subtiles"])
     [(program, config)] = precompile_requests(args)
     assert config.finish_in_gemm and not config.unroll_subtiles
-    assert cache_key(program, config) == _runtime_key("swiglu_bwd_recompute", m=128, n=1024, k=128)
+    assert cache_key(program, config) == _runtime_key("swiglu_bwd_recompute", m=128, n=1024, k=128,
+                                                      schedule="pingpong")
 
 
 def test_precompile_table_flags_reach_the_config():

@@ -155,8 +155,8 @@ def test_the_swiglu_backward_at_a_deep_k_runs_cooperative_where_it_parks_a_few_v
     tile runs: the Llama MLP's d = 8192 kernel (5.84 ms on an H100 against 6.03 at its spill-free
     ping-pong 128x192, benchmarks/results "Spills that cost nothing")."""
     program = library.get("swiglu_bwd_recompute")
-    a, b = torch.empty(256, 8192, dtype=torch.bfloat16), torch.empty(1024, 8192, dtype=torch.bfloat16)
-    problem = bind(program, a, b, {"preact": torch.empty(256, 2048, dtype=torch.bfloat16)})
+    a, b = torch.empty(1024, 8192, dtype=torch.bfloat16), torch.empty(2048, 8192, dtype=torch.bfloat16)
+    problem = bind(program, a, b, {"preact": torch.empty(1024, 4096, dtype=torch.bfloat16)})
     rules = Kernel(program, gpu="H100").config_for(problem)
     assert (rules.tile, rules.schedule) == ((128, 256), "cooperative")
     default = cache.get_default_kernel(program, rules)
@@ -168,23 +168,25 @@ def test_the_swiglu_backward_at_a_deep_k_runs_cooperative_where_it_parks_a_few_v
 def test_ping_pong_kernels_of_large_calls_unroll_the_subtile_loop_and_small_calls_leave_it_to_llvm(cache_dir):
     """The SwiGLU backward with h: at K <= 4096 the rules choose ping-pong 128x192, unrolled while
     tracing, which does not spill (from the IR's loop it does: SPILLS_AT in test_compile); a call
-    too small to keep the GPU busy takes the IR loop, quicker to compile (test_gpu_kernels runs
-    both)."""
+    too small to keep the GPU busy runs cooperative 128x128 (SMALL_CALL_TILE), and with ping-pong
+    asked for, takes the IR loop: both quicker to compile (test_gpu_kernels runs all three)."""
     program = library.get("swiglu_bwd_recompute")
 
-    def decided(m, n, k):
+    def decided(m, n, k, **fixed):
         a, b = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16)
         problem = bind(program, a, b, {"preact": torch.empty(m, 2 * n, dtype=torch.bfloat16)})
-        rules = Kernel(program, gpu="H100").config_for(problem)
-        return rules, cache.get_default_kernel(program, rules)
+        rules = Kernel(program, gpu="H100", **fixed).config_for(problem)
+        return rules, None if fixed else cache.get_default_kernel(program, rules)
     rules, default = decided(1500, 4104, 2056)
     assert (rules.tile, rules.schedule, rules.unroll_subtiles) == ((128, 192), "pingpong", True)
     (config, entry), = default.tried
     assert config == rules == default.config and entry.stack_frame_bytes == 0
     rules, default = decided(128, 1024, 128)
     assert (rules.tile, rules.schedule, rules.unroll_subtiles, rules.finish_in_gemm) == (
-        (128, 128), "pingpong", False, True)
+        (128, 128), "cooperative", False, True)
     assert default.config == rules and not spills(default.entry)
+    rules, _ = decided(128, 1024, 128, schedule="pingpong")
+    assert (rules.tile, rules.schedule, rules.unroll_subtiles) == ((128, 128), "pingpong", False)
 
 
 def test_a_record_is_only_trusted_for_its_key_and_its_candidates(cache_dir):

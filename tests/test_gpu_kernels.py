@@ -18,7 +18,7 @@ from coda_cute import library
 from coda_cute.backends.registry import backend
 from coda_cute.errors import UnsupportedError
 from coda_cute.program import Program
-from coda_cute.runtime import Kernel
+from coda_cute.runtime import SMALL_CALL_TILE, Kernel
 
 
 def _hopper() -> bool:
@@ -146,10 +146,12 @@ def _gpu_programs():
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("name", _gpu_programs())
 def test_library_program(name, shape):
-    """At these small shapes calls are host-bound, so reductions are finished in the GEMM
-    (runtime.host_bound); test_library_program_finishing_kernel runs the second kernel."""
+    """At these small shapes calls are host-bound (runtime.host_bound): they run cooperative
+    128x128 (runtime.SMALL_CALL_TILE) and finish reductions in the GEMM;
+    test_library_program_finishing_kernel runs the second kernel."""
     config = run_and_compare(_sized(name, shape[1]), *shape)
     assert config.finish_in_gemm == bool(library.get(name).reductions)
+    assert (config.tile, config.schedule) == SMALL_CALL_TILE
 
 
 @pytest.mark.parametrize("name", [n for n in _gpu_programs() if library.get(n).reductions])
@@ -447,7 +449,7 @@ def test_heavy_epilogue_default_at_a_deep_k(name):
 def test_a_ping_pong_default_of_a_large_call_runs_unrolled():
     """The SwiGLU backward with h at K <= 4096: ping-pong 128x192 with its subtile loop unrolled
     while tracing (KernelConfig.unroll_subtiles), from the IR's loop ptxas spills it; the small
-    calls of test_library_program run the IR's loop."""
+    calls of the test_library_program_pingpong tests, ping-pong asked for, run the IR's loop."""
     config = run_and_compare(library.get("swiglu_bwd_recompute"), 1500, 4104, 2056)
     assert (config.tile, config.schedule, config.unroll_subtiles) == ((128, 192), "pingpong", True)
 

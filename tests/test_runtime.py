@@ -108,13 +108,34 @@ def test_ping_pong_kernels_of_large_calls_unroll_their_subtile_loop_while_tracin
     swiglu_bwd, swiglu = library.get("swiglu_bwd"), library.get("swiglu")
     large = config(swiglu_bwd, 8192, 4096, 4096)
     assert large.schedule == "pingpong" and large.unroll_subtiles
-    small = config(swiglu_bwd, 128, 1024, 128)
+    small = config(swiglu_bwd, 128, 1024, 128, schedule="pingpong")
     assert small.schedule == "pingpong" and not small.unroll_subtiles
     assert not config(swiglu, 8192, 4096, 4096).unroll_subtiles  # cooperative
     assert not config(swiglu_bwd, 8192, 4096, 4096, unroll_subtiles=False).unroll_subtiles
     assert config(swiglu, 8192, 4096, 4096, unroll_subtiles=True).unroll_subtiles
     with pytest.raises(UnsupportedError, match="unroll_subtiles must be None, True or False"):
         Kernel(swiglu, unroll_subtiles=1)
+
+
+def test_small_calls_run_cooperative_128x128():
+    """SMALL_CALL_TILE: a call too small to keep the GPU busy runs cooperative 128x128, whatever
+    the rules give its program's large calls; a tile, schedule or cluster given is kept, and
+    sm_100a keeps its backend's defaults."""
+    def config(program, m, n, k, **kwargs):
+        a, b = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16)
+        operands = {op.name: torch.empty(m, int(n * op.width), dtype=a.dtype) for op in program.operands}
+        c = Kernel(program, **kwargs).config_for(bind(program, a, b, operands))
+        return c.tile, c.cluster, c.schedule
+
+    for name in ("gemm", "swiglu_bwd", "residual_sumsq"):  # large calls: coop 128x256, ping-pong, coop
+        program = library.get(name)
+        assert config(program, 128, 1024, 128) == ((128, 128), (1, 2), "cooperative"), name
+        assert config(program, 8192, 4096, 4096) == runtime_defaults(program), name
+    swiglu_bwd = library.get("swiglu_bwd")
+    assert config(swiglu_bwd, 128, 1024, 128, tile=(128, 256)) == ((128, 256), (1, 2), "cooperative")
+    assert config(swiglu_bwd, 128, 1024, 128, schedule="pingpong")[1:] == ((1, 2), "pingpong")
+    assert config(swiglu_bwd, 128, 1024, 128, cluster=(1, 1)) == ((128, 128), (1, 1), "cooperative")
+    assert config(swiglu_bwd, 128, 1024, 128, arch="sm_100a")[0] == runtime_defaults(swiglu_bwd, arch="sm_100a")[0]
 
 
 def test_plan_writes_into_caller_outputs_and_returns_partials():
