@@ -1,5 +1,6 @@
 """Shared fixtures for the CPU test suite (pytest markers live in pyproject.toml)."""
 
+import importlib.util
 import sys
 import zlib
 from pathlib import Path
@@ -16,3 +17,16 @@ if str(ROOT) not in sys.path:  # run from a checkout that is not pip-installed
 def gen(request) -> torch.Generator:
     """A CPU generator seeded from the test's id: fresh data per test, reproducible per run."""
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="session")
+def load_benchmark():
+    """``load(name)``: benchmarks/<name>.py as a module, registered under its name for the session
+    (dataclasses look their module up there)."""
+    def load(name: str):
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+            sys.modules[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(sys.modules[name])
+        return sys.modules[name]
+    return load

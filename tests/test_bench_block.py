@@ -2,7 +2,6 @@
 compositions against eager PyTorch (with stand-ins of Liger's functions, which need a GPU), and the
 classification of profiler kernel names."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,13 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_block", ROOT / "benchmarks" / "bench_block.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+def bench(load_benchmark):
+    return load_benchmark("bench_block")
 
 
 # (profiler name, kind, short name or None): names as the H200 runs in benchmarks/results show them

@@ -1,7 +1,6 @@
 """benchmarks/bench_compile.py on the CPU: it compiles a library kernel as a small call configures
 it, records where it ran, and --without-small-call-tile gives the rules' tile for that call."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,15 +11,8 @@ from coda_cute import library
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("bench_compile", ROOT / "benchmarks" / "bench_compile.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_small_call_configs_with_and_without_the_small_call_tile():
-    bench = _module()
+def test_small_call_configs_with_and_without_the_small_call_tile(load_benchmark):
+    bench = load_benchmark("bench_compile")
     swiglu_bwd = library.get("swiglu_bwd")
     small = bench.call_config(swiglu_bwd, 128, 1024, 128, without_small_call_tile=False)
     before = bench.call_config(swiglu_bwd, 128, 1024, 128, without_small_call_tile=True)

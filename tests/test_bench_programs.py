@@ -2,7 +2,6 @@
 program kind through the reference interpreter, and the program set is what the issue of
 untuned programs asks for (at least 20, transcendental-heavy ones among them)."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,15 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("bench_programs", ROOT / "benchmarks" / "bench_programs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_program_set_covers_the_library_generated_and_transcendental_programs():
-    bench = _module()
+def test_program_set_covers_the_library_generated_and_transcendental_programs(load_benchmark):
+    bench = load_benchmark("bench_programs")
     kinds = [kind for kind, _ in bench.programs(bench.KINDS)]
     assert kinds.count("random") == 12 and kinds.count("transcendental") == 6 and kinds.count("library") >= 15
     assert kinds.count("derived") == len(bench.DERIVED_FROM)
@@ -27,12 +19,12 @@ def test_program_set_covers_the_library_generated_and_transcendental_programs():
     assert {"exp", "log", "tanh", "gelu", "gelu_tanh", "sigmoid", "silu"} <= transcendental
 
 
-def test_torch_compile_contender_is_one_graph_per_program():
+def test_torch_compile_contender_is_one_graph_per_program(load_benchmark):
     """torch.compile sees each program's unfused math whole (no graph break, class indices
     included) and compiles each in its own frame, so a later program does not fall back to eager."""
     import torch
 
-    bench = _module()
+    bench = load_benchmark("bench_programs")
     for name in ("cross_entropy_stats", "bias_gelu", "swiglu", "rmsnorm_bwd", "residual_sumsq",
                  "rms_swiglu_save", "gemm", "alpha_beta", "swiglu_bwd", "rope_qkv"):
         program = bench.library.get(name)
