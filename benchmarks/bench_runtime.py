@@ -37,6 +37,7 @@ import time
 import torch
 
 from coda_cute import cache, library
+from coda_cute.arguments import random_call
 from coda_cute.runtime import Kernel
 
 LOAD_SNIPPET = r"""
@@ -76,11 +77,10 @@ def main():
     for name, program in library.programs().items():
         if args.programs and name not in args.programs:
             continue
-        gen = torch.Generator().manual_seed(0)
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-        from test_gpu_kernels import make_inputs  # the GPU tests' operand generator
-
-        a, b, ops = make_inputs(program, 128, 1024, 128, torch.bfloat16, gen)
+        torch.manual_seed(0)
+        a, b, ops = random_call(program, 128, 1024, 128, torch.bfloat16)
+        if program.a_transform is not None and program.tokens_along != "row":  # a token per index of K
+            a = a.t().contiguous().t()  # M-major: the classes contiguous (the logits' transpose)
         kernel = Kernel(program)
         t0 = time.perf_counter()
         kernel(a, b, **ops)
