@@ -47,6 +47,11 @@ INPUTS = [
      "block's coda-cute wall times spread 12 %."),
     ("results/archive/2026-12-06j-h100-d2048-mlp-block-70ca0fe.json",
      "On an H100 80GB HBM3: GPU times of a step profiled after 150 ms of steps (2a5a196). 5 rounds."),
+    ("results/archive/2026-12-07m-h100-d2048-mlp-e387741.json",
+     "On an H100 80GB HBM3: the large-call kernels of 2026-12-06's runs, 3 rounds; Liger-Kernel was not installed."),
+    ("results/archive/2026-12-07l-h100-runtime-e387741.json",
+     "On an H100 80GB HBM3 (our GEMM compiled in 0.59 s), every library program: small calls run cooperative "
+     "128x128 (62205e1). The same host's run before it: `archive/2026-12-07k-h100-runtime-e387741.json`."),
     ("results/archive/2026-12-07i-h100-runtime-e49c270.json",
      "On an H100 80GB HBM3 (our GEMM compiled in 0.95 s), the ping-pong programs and the GEMM only: small calls' "
      "ping-pong kernels loop over their subtiles in the IR (e49c270)."),
