@@ -19,9 +19,9 @@ def gen(request) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def load_benchmark():
-    """``load(name)``: benchmarks/<name>.py as a module, registered under its name for the session
+    """``load(name)``: benchmarks/<name>.py as a module, loaded once and registered under its name
     (dataclasses look their module up there)."""
     def load(name: str):
         if name not in sys.modules:
