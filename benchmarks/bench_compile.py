@@ -7,10 +7,10 @@ Each kernel is configured as a call of that shape configures it (``Kernel.config
 tensors: tile, schedule, where reductions finish, the subtile loop's form; GPU model H200).
 ``--without-small-call-tile`` keeps every field of that call but the tile, cluster and schedule,
 which it takes from the rules as if the call kept the GPU busy (``runtime.fill_config`` with
-``small=False``): what small calls ran before ``runtime.SMALL_CALL_TILE``.  A time is the best of ``--rounds`` compiles (lower, render,
-``cute.compile``), after one untimed compile that pays the process's one-time costs; the rows
-also give the kernel's SASS length and stack frame.  ``bench_runtime.py`` times compiles on a
-GPU host, inside the first call.
+``small=False``): what small calls ran before ``runtime.SMALL_CALL_TILE``.  A time is the best of
+``--rounds`` compiles (lower, render, ``cute.compile``), after one untimed compile that pays the
+process's one-time costs; the rows also give the kernel's SASS length and stack frame.
+``bench_runtime.py`` times compiles on a GPU host, inside the first call.
 """
 from __future__ import annotations
 
