@@ -41,8 +41,6 @@ from bench_block import _commit  # noqa: E402
 
 def call_config(program, m: int, n: int, k: int, without_small_call_tile: bool) -> KernelConfig:
     a, b, operands = random_call(program, m, n, k, torch.bfloat16, device="cpu")
-    if program.a_transform is not None and program.tokens_along != "row":  # a token per index of K
-        a = a.t().contiguous().t()  # M-major: the classes contiguous (the logits' transpose)
     config = Kernel(program, gpu="H200").config_for(bind(program, a, b, operands))
     if without_small_call_tile:
         tile, cluster, schedule = fill_config(program, m, n, arch=config.arch, sms=GPUS[config.gpu], k=k)

@@ -79,8 +79,6 @@ def main():
             continue
         torch.manual_seed(0)
         a, b, ops = random_call(program, 128, 1024, 128, torch.bfloat16)
-        if program.a_transform is not None and program.tokens_along != "row":  # a token per index of K
-            a = a.t().contiguous().t()  # M-major: the classes contiguous (the logits' transpose)
         kernel = Kernel(program)
         t0 = time.perf_counter()
         kernel(a, b, **ops)

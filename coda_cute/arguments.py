@@ -271,8 +271,9 @@ def check_kernel_arguments(problem: Problem, given: dict | None = None) -> None:
 
 def random_call(program: Program, m: int, n: int, k: int, dtype: torch.dtype, device="cuda") -> tuple:
     """(A, B, operands): random arguments of ``program`` for an M x N x K problem (A (M, K), B (N,
-    K) in ``dtype``; class indices in range where an operand is compared with ``.row`` / ``.col``;
-    rows positive), drawn on ``device``: what ``coda-cute tune`` and the benchmarks time."""
+    K) in ``dtype``; A M-major where an A transform has a token per index of K, as it needs;
+    class indices in range where an operand is compared with ``.row`` / ``.col``; rows positive),
+    drawn on ``device``: what ``coda-cute tune`` and the benchmarks time."""
     indices, operands = index_operands(program), {}
     for op in program.operands:
         cols = int(n * op.width) if op.width is not None else None
@@ -294,5 +295,7 @@ def random_call(program: Program, m: int, n: int, k: int, dtype: torch.dtype, de
         else:
             operands[op.name] = torch.randn(128, 128, device=device)
     a = (torch.randn(m, k, device=device) / k ** 0.25).to(dtype)
+    if program.a_transform is not None and program.tokens_along != "row":
+        a = a.t().contiguous().t()  # its classes contiguous, as the logits' transpose is
     b = (torch.randn(n, k, device=device) / k ** 0.25).to(dtype)
     return a, b, operands
