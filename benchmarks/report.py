@@ -49,6 +49,9 @@ INPUTS = [
      "On an H100 80GB HBM3: GPU times of a step profiled after 150 ms of steps (2a5a196). 5 rounds."),
     ("results/archive/2026-12-07m-h100-d2048-mlp-e387741.json",
      "On an H100 80GB HBM3: the large-call kernels of 2026-12-06's runs, 3 rounds; Liger-Kernel was not installed."),
+    ("results/archive/2026-12-07n-h100-runtime-04ecde3.json",
+     "On an H100 80GB HBM3 (our GEMM compiled in 0.60 s), every library program, at 04ecde3 (no kernel change "
+     "since e387741)."),
     ("results/archive/2026-12-07l-h100-runtime-e387741.json",
      "On an H100 80GB HBM3 (our GEMM compiled in 0.59 s), every library program: small calls run cooperative "
      "128x128 (62205e1). The same host's run before it: `archive/2026-12-07k-h100-runtime-e387741.json`."),
