@@ -161,8 +161,8 @@ def test_library_program_compiles_to_expected_sass(name, config_name, tmp_path):
     mma_blocks = config.tile[0] // 64 if config.schedule == "pingpong" else max(1, config.tile[0] // 128)
     assert sass.count("HGMMA") == 4 * mma_blocks, f"{name}: {sass.count('HGMMA')} HGMMA instructions"
     # and they go out as one batch per k step, the last of the batch tracked (gsb0) so that one batch
-    # stays in flight: where a warp role's branch is divergent to ptxas (an `if a and b` on warp
-    # indices) it serializes every WGMMA instead (remark C7520), each waited for alone
+    # stays in flight: where warp roles' branches look divergent to ptxas (`if a and b` on warp
+    # indices can) it serializes every WGMMA instead (remark C7520), each waited for alone
     batch_ends = re.findall(r"HGMMA\S* [^\n]*\bgsb0 ;", sass)
     assert len(batch_ends) == 1 and "C7520" not in compiled.report, f"{name}: ptxas serialized the WGMMAs"
     multicast = "UTMALDG.2D.MULTICAST" in sass
