@@ -769,10 +769,11 @@ def _commit():
         return "unknown"
 
 
-def write(path, rows, smoke, extra: dict | None = None):
-    """The result file: {"meta": {date, gpu, torch, commit, command}, "rows": rows, **extra}."""
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": "cpu (--smoke)" if smoke else torch.cuda.get_device_name(),
-            "torch": torch.__version__, "commit": _commit(),
+def write(path, rows, smoke, extra: dict | None = None, machine: str | None = None):
+    """The result file: {"meta": {date, gpu, torch, commit, command}, "rows": rows, **extra}; a
+    CPU benchmark names its ``machine`` instead of the GPU."""
+    where = {"machine": machine} if machine else {"gpu": "cpu (--smoke)" if smoke else torch.cuda.get_device_name()}
+    meta = {"date": time.strftime("%Y-%m-%d"), **where, "torch": torch.__version__, "commit": _commit(),
             "command": "python " + " ".join(map(shlex.quote, sys.argv))}
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows, **(extra or {})}, f, indent=1)

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from coda_cute.compile import compile_program  # noqa: E402
 from coda_cute.config import KernelConfig  # noqa: E402
 from coda_cute.errors import CodaError  # noqa: E402
 from coda_cute.runtime import GPUS, Kernel, fill_config  # noqa: E402
-from bench_block import _commit  # noqa: E402
+from bench_block import write  # noqa: E402 - the result file
 
 
 def call_config(program, m: int, n: int, k: int, without_small_call_tile: bool) -> KernelConfig:
@@ -80,12 +79,8 @@ def main(argv=None):
     times = [row["compile_s"] for row in rows]
     print(f"{len(rows)} kernels: {min(times):.2f}-{max(times):.2f} s, median {statistics.median(times):.2f}")
     if args.out:
-        meta = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-                "torch": torch.__version__, "commit": _commit(),
-                "command": "python " + " ".join(map(shlex.quote, sys.argv))}
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "shape": args.shape, "without_small_call_tile": args.without_small_call_tile,
-                       "rows": rows}, f, indent=1)
+        write(args.out, rows, smoke=False, machine=f"{platform.machine()}, {os.cpu_count()} CPUs",
+              extra={"shape": args.shape, "without_small_call_tile": args.without_small_call_tile})
 
 
 if __name__ == "__main__":

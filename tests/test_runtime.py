@@ -96,15 +96,19 @@ def test_small_calls_finish_their_reductions_in_the_gemm():
         Kernel(program, finish_in_gemm="yes")
 
 
+def _tile_operand_call_config(program, m, n, k, **kwargs):
+    """Kernel(program, **kwargs)'s config for an M x N x K call of a program whose operands are
+    all tiles (empty CPU tensors)."""
+    a, b = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16)
+    operands = {op.name: torch.empty(m, int(n * op.width), dtype=a.dtype) for op in program.operands}
+    return Kernel(program, **kwargs).config_for(bind(program, a, b, operands))
+
+
 def test_ping_pong_kernels_of_large_calls_unroll_their_subtile_loop_while_tracing():
     """config.unrolled_subtiles: ping-pong kernels of calls that keep the GPU busy unroll their
     epilogue's subtile loop while tracing; small (host-bound) calls and cooperative kernels leave
     it to LLVM; unroll_subtiles=True or False fixes it."""
-    def config(program, m, n, k, **kwargs):
-        a, b = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16)
-        operands = {op.name: torch.empty(m, int(n * op.width), dtype=a.dtype) for op in program.operands}
-        return Kernel(program, **kwargs).config_for(bind(program, a, b, operands))
-
+    config = _tile_operand_call_config
     swiglu_bwd, swiglu = library.get("swiglu_bwd"), library.get("swiglu")
     large = config(swiglu_bwd, 8192, 4096, 4096)
     assert large.schedule == "pingpong" and large.unroll_subtiles
@@ -122,9 +126,7 @@ def test_small_calls_run_cooperative_128x128():
     the rules give its program's large calls; a tile, schedule or cluster given is kept, and
     sm_100a keeps its backend's defaults."""
     def config(program, m, n, k, **kwargs):
-        a, b = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16)
-        operands = {op.name: torch.empty(m, int(n * op.width), dtype=a.dtype) for op in program.operands}
-        c = Kernel(program, **kwargs).config_for(bind(program, a, b, operands))
+        c = _tile_operand_call_config(program, m, n, k, **kwargs)
         return c.tile, c.cluster, c.schedule
 
     for name in ("gemm", "swiglu_bwd", "residual_sumsq"):  # large calls: coop 128x256, ping-pong, coop
