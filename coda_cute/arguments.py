@@ -295,7 +295,7 @@ def random_call(program: Program, m: int, n: int, k: int, dtype: torch.dtype, de
         else:
             operands[op.name] = torch.randn(128, 128, device=device)
     a = (torch.randn(m, k, device=device) / k ** 0.25).to(dtype)
-    if program.a_transform is not None and program.tokens_along != "row":
+    if program.a_major == "m":
         a = a.t().contiguous().t()  # its classes contiguous, as the logits' transpose is
     b = (torch.randn(n, k, device=device) / k ** 0.25).to(dtype)
     return a, b, operands

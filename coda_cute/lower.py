@@ -218,7 +218,7 @@ def _finish(ctx: Context, config: KernelConfig) -> None:
 def _check_supported(program: Program, config: KernelConfig) -> None:
     if program.a_transform is not None:
         # a 16-byte vector of A in smem holds one token's values: A's contiguous dimension is the classes'
-        wanted = "k" if program.tokens_along == "row" else "m"
+        wanted = program.a_major
         if config.majors[0] != wanted:
             token = "row of A" if program.tokens_along == "row" else "index of K"
             raise UnsupportedError(

@@ -371,6 +371,14 @@ class Program:
             return None
         return "k" if self.operand(A_TRANSFORMS[self.a_transform].operands[0]).kind == "kvec" else "row"
 
+    @property
+    def a_major(self) -> str | None:
+        """The major an A transform needs A in, so that a 16-byte vector of A holds one token's
+        values: 'k' with a token per row of A, 'm' with a token per index of K; None without."""
+        if self.a_transform is None:
+            return None
+        return "k" if self.tokens_along == "row" else "m"
+
     def _validate_output(self, out: Output) -> None:
         node = out.node
         if node.dtype != "f32":
