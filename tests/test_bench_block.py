@@ -148,3 +148,13 @@ def test_liger_compositions_match_eager(bench, tmp_path, monkeypatch):
     for row in json.loads(out.read_text())["rows"]:
         assert row["dropped"] == {} and row["bar"] is None
         assert max(row["Liger"]["rel_err"]) < bench.TOLERANCE, row["case"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the path without a GPU")
+def test_step_idle_says_it_needs_a_gpu(load_benchmark, capsys):
+    """benchmarks/step_idle.py builds bench_block's cases; without a GPU it stops with a clear message."""
+    step_idle = load_benchmark("step_idle")
+    assert set(step_idle.CASES) == {"block", "MLP"}
+    with pytest.raises(SystemExit):
+        step_idle.main(["--d", "2048", "--cases", "MLP"])
+    assert "needs a GPU" in capsys.readouterr().err

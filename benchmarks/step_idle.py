@@ -1,0 +1,83 @@
+"""Is a training step host-bound, or idle between its kernels?  Per contender of bench_block's
+cases (coda-cute and the floor): the host's time to queue one step (alone, and among steps queued
+back to back), the GPU's time per step back to back (CUDA events), and in a profiled window of
+five queued steps the kernels' summed time against the window's span (their difference: the GPU
+idle between kernels), per step.
+
+    python benchmarks/step_idle.py --d 2048 [--cases block MLP]
+
+Prints one JSON line per (case, contender).  Needs a GPU."""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_block as bb  # noqa: E402  (the cases and contenders bench_block times)
+
+CASES = {"block": bb.block_case, "MLP": bb.mlp_case}
+QUEUED, PROFILED = 30, 5  # steps queued back to back; steps in the profiled window
+
+
+def measure(contender) -> dict:
+    for _ in range(5):
+        contender()
+    host = []
+    for _ in range(5):  # the host's time for one step with an empty queue
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        contender()
+        host.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start = time.perf_counter()
+    begin.record()
+    for _ in range(QUEUED):
+        contender()
+    end.record()
+    queued = (time.perf_counter() - start) * 1e3 / QUEUED
+    end.synchronize()
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED):
+            contender()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA and bb._is_gpu_work(e)]
+    busy = sum(e.time_range.elapsed_us() for e in events) / 1e3
+    span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / 1e3
+    return dict(host_ms_alone=round(statistics.median(host), 3), host_ms_queued=round(queued, 3),
+                gpu_ms_back_to_back=round(begin.elapsed_time(end) / QUEUED, 3),
+                profiled_busy_ms=round(busy / PROFILED, 3), profiled_span_ms=round(span / PROFILED, 3),
+                kernels_per_step=len(events) // PROFILED)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--d", type=int, nargs="+", default=[2048], choices=sorted(bb.SHAPES))
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=2048)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a GPU")
+    bench = bb.Bench(argparse.Namespace(smoke=False, tokens=args.tokens, seq=args.seq, compile_modes=[],
+                                        vocab=0))
+    for d in args.d:
+        bench.inputs(d)
+        for case_name in args.cases:
+            case = CASES[case_name](bench, d)
+            for who in (bb.CODA, bb.FLOOR):
+                row = dict(d=d, case=case_name, who=who, **measure(case.contenders[who]))
+                print(json.dumps(row), flush=True)
+            del case
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
