@@ -1,8 +1,9 @@
 """Is a training step host-bound, or idle between its kernels?  Per contender of bench_block's
 cases (coda-cute and the floor): the host's time to queue one step (alone, and among steps queued
 back to back), the GPU's time per step back to back (CUDA events), and in a profiled window of
-five queued steps the kernels' summed time against the window's span (their difference: the GPU
-idle between kernels), per step.
+five queued steps the kernels' summed time, the time at least one kernel ran (kernels that
+overlap, such as a dependent launch waiting for the kernel before it, count once) and the
+window's span (span less that time: the GPU idle between kernels), per step.
 
     python benchmarks/step_idle.py --d 2048 [--cases block MLP]
 
@@ -49,12 +50,25 @@ def measure(contender) -> dict:
             contender()
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == DeviceType.CUDA and bb._is_gpu_work(e)]
-    busy = sum(e.time_range.elapsed_us() for e in events) / 1e3
-    span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / 1e3
+    intervals = [(e.time_range.start, e.time_range.end) for e in events]
+    busy = sum(end - start for start, end in intervals) / 1e3
+    span = (max(end for _, end in intervals) - min(start for start, _ in intervals)) / 1e3
+    covered = covered_us(intervals) / 1e3
     return dict(host_ms_alone=round(statistics.median(host), 3), host_ms_queued=round(queued, 3),
                 gpu_ms_back_to_back=round(begin.elapsed_time(end) / QUEUED, 3),
-                profiled_busy_ms=round(busy / PROFILED, 3), profiled_span_ms=round(span / PROFILED, 3),
-                kernels_per_step=len(events) // PROFILED)
+                profiled_busy_ms=round(busy / PROFILED, 3), profiled_covered_ms=round(covered / PROFILED, 3),
+                profiled_span_ms=round(span / PROFILED, 3),
+                profiled_idle_ms=round((span - covered) / PROFILED, 3), kernels_per_step=len(events) // PROFILED)
+
+
+def covered_us(intervals) -> float:
+    """The time at least one of the (start, end) intervals covers: overlapping kernels count once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def main(argv=None):

@@ -158,3 +158,14 @@ def test_step_idle_says_it_needs_a_gpu(load_benchmark, capsys):
     with pytest.raises(SystemExit):
         step_idle.main(["--d", "2048", "--cases", "MLP"])
     assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_step_idle_counts_overlapping_kernels_once(load_benchmark):
+    """The GPU's busy time in a profiled window is the union of the kernels' intervals: a dependent
+    launch waiting under the kernel before it, or two kernels on two streams, are not counted twice,
+    so the window's span less it is the time no kernel ran."""
+    covered = load_benchmark("step_idle").covered_us
+    assert covered([(0, 10), (5, 15), (20, 30)]) == 25  # [0, 15) and [20, 30)
+    assert covered([(20, 30), (0, 10), (2, 4)]) == 20  # nested, any order
+    assert covered([(0, 10), (10, 12)]) == 12  # touching
+    assert covered([]) == 0
