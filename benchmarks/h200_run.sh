@@ -37,6 +37,12 @@ out=${OUT:-h200-out}
 mkdir -p "$out"
 ops_tag=${OPS:+-$(echo "$OPS" | tr -c 'A-Za-z0-9\n' _)}  # result file names: -<the OPS words>
 export PYTHONPATH=$PWD:${PYTHONPATH:-} CODA_CUTE_CACHE_DIR=${CODA_CUTE_CACHE_DIR:-/tmp/coda-cute-cache}
+# Liger-Kernel, a contender of the block step (pure Python + Triton), where its wheel travels in
+# .device/liger/ (`pip download --no-deps liger-kernel==0.8.5 -d .device/liger`)
+liger_wheel=$(ls .device/liger/liger_kernel-*.whl 2>/dev/null | head -n 1)
+if [ -n "$liger_wheel" ] && python -m zipfile -e "$liger_wheel" /tmp/liger-site; then
+  export PYTHONPATH=$PYTHONPATH:/tmp/liger-site
+fi
 case $step in
   tests)
     i=0
