@@ -50,9 +50,9 @@ def measure(contender) -> dict:
             contender()
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == DeviceType.CUDA and bb._is_gpu_work(e)]
-    intervals = [(e.time_range.start, e.time_range.end) for e in events]
-    busy = sum(end - start for start, end in intervals) / 1e3
-    span = (max(end for _, end in intervals) - min(start for start, _ in intervals)) / 1e3
+    intervals = [(e.time_range.start, e.time_range.end) for e in events]  # us
+    busy = sum(last - first for first, last in intervals) / 1e3
+    span = (max(last for _, last in intervals) - min(first for first, _ in intervals)) / 1e3
     covered = covered_us(intervals) / 1e3
     return dict(host_ms_alone=round(statistics.median(host), 3), host_ms_queued=round(queued, 3),
                 gpu_ms_back_to_back=round(begin.elapsed_time(end) / QUEUED, 3),
