@@ -562,19 +562,23 @@ def profile_kernels(contender: Contender) -> list[tuple[str, float]]:
     """The GPU work of one step, (name, ms) per kernel (and memset / memcpy) in start order.  The
     step follows STEADY_MS of steps, as a timed window does: after the memory measurements left
     the GPU idle, a lone step would run at a clock that sustained steps do not hold."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     start = time.perf_counter()
     while time.perf_counter() - start < STEADY_MS / 1e3:
         contender()
         torch.cuda.synchronize()
+    return [(e.name, e.time_range.elapsed_us() / 1e3) for e in gpu_work(contender)]
+
+
+def gpu_work(steps: Callable[[], object]) -> list:
+    """The GPU work ``steps()`` queues (`_is_gpu_work`), as torch.profiler events in start order."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        contender()
+        steps()
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == DeviceType.CUDA and _is_gpu_work(e)]
-    events.sort(key=lambda e: e.time_range.start)
-    return [(e.name, e.time_range.elapsed_us() / 1e3) for e in events]
+    return sorted(events, key=lambda e: e.time_range.start)
 
 
 def back_to_back(contender: Contender) -> float:

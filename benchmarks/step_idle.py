@@ -43,13 +43,12 @@ def measure(contender) -> dict:
     end.record()
     queued = (time.perf_counter() - start) * 1e3 / QUEUED
     end.synchronize()
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+    def window():
         for _ in range(PROFILED):
             contender()
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA and bb._is_gpu_work(e)]
+
+    events = bb.gpu_work(window)
     intervals = [(e.time_range.start, e.time_range.end) for e in events]  # us
     busy = sum(last - first for first, last in intervals) / 1e3
     span = (max(last for _, last in intervals) - min(first for first, _ in intervals)) / 1e3
