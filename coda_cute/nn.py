@@ -94,7 +94,8 @@ def _heads(w: torch.Tensor, head_dim: int) -> int:
 # registered at import, so torch.compile traces straight to the ops (no file access while tracing)
 _OPS = {name: library_op(library.get(name))
         for name in ("rms_swiglu_save", "residual_sumsq", "residual_sumsq_scaled", "rmsnorm_bwd_rowdot",
-                     "cross_entropy_stats", "cross_entropy_stats_save", "cross_entropy_bwd")}
+                     "cross_entropy_stats", "cross_entropy_stats_save", "cross_entropy_exp_save",
+                     "cross_entropy_bwd")}
 # the pre-activation's gradient written over the saved pre-activation (ops.library_op): one
 # tokens x 2 ffn buffer instead of two through the backward
 _OPS["swiglu_bwd_recompute"] = library_op(library.get("swiglu_bwd_recompute"), overwrite={"D": "preact"})
@@ -525,9 +526,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_dh, need_dw = (grad_enabled and need for need in ctx.needs_input_grad[:2])
         if save_logits:
             ctx.mode = "saved"
-            logits, lse, target_logit = _OPS["cross_entropy_stats_save"](h2, weight, t_index)
-            per_row = torch.where(valid, lse - target_logit, 0.0)
-            ctx.save_for_backward(h2, weight, t_index, lse, valid, count, logits)
+            shift = one_pass(exp_shift, h2)(h2, weight, t_index)
+            exps, sumexp, target_logit = _OPS["cross_entropy_exp_save"](h2, weight, shift, t_index)
+            per_row = torch.where(valid, shift + torch.log(sumexp) - target_logit, 0.0)
+            ctx.save_for_backward(h2, weight, t_index, sumexp, valid, count, exps)
         elif reduction == "none" or not (need_dh or need_dw):
             ctx.mode, ctx.token_chunk = "later", token_chunk
             lse, target_logit = _OPS["cross_entropy_stats"](h2, weight, t_index)
@@ -567,11 +569,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
             dh, dw = _head_gradients(h2, weight, ctx.token_chunk, d_logits, *ctx.needs_input_grad[:2])
             return None if dh is None else dh.reshape(ctx.shape[0]), dw, *_NOTHING_ELSE
-        # in place: the logits' memory (tokens x vocab) becomes their gradient's
-        dlogits = one_pass(cross_entropy_grad, logits[0])(logits[0], lse, t_index, per_row, out=logits[0])
-        dh = dlogits @ weight  # plain GEMMs: cuBLAS (module docstring)
-        dw = dlogits.t() @ h2
-        return dh.reshape(ctx.shape[0]), dw, *_NOTHING_ELSE
+        # d logits = (exps - onehot * sumexp) * scale per row: the target's entries made so in
+        # place (one per row), the row scale taken by dh's output and by dW's other operand
+        exps, sumexp = logits[0], lse
+        scale = torch.where(valid, per_row / sumexp, 0.0)
+        one_pass(subtract_at_target, exps)(exps, t_index, sumexp)
+        dh = exps @ weight  # plain GEMMs: cuBLAS (module docstring)
+        dw = exps.t() @ one_pass(scale_rows, h2)(h2, scale)
+        return one_pass(scale_rows, dh)(dh, scale, out=dh).reshape(ctx.shape[0]), dw, *_NOTHING_ELSE
 
 
 def _scale_in_place(dh: torch.Tensor | None, dw: torch.Tensor | None, dloss: torch.Tensor) -> None:
@@ -616,6 +621,39 @@ def _head_gradients(h, weight, chunk, d_logits, need_dh, need_dw):
     return dh, dw
 
 
+#: what linear_cross_entropy's default mode adds to a row's target logit to anchor the row's
+#: stored exponentials exp(logit - shift) (`cross_entropy_exp_save`): the target's own is e^-60,
+#: a logit up to 88 nats above the target's (a per-token loss up to ~148 nats) stays under the
+#: 16-bit floats' largest exponent (e^88.7), and those that flush to zero (below e^-87) lie more
+#: than 27 nats under the target's logit, where each weighs under 2e-12 of the target's probability
+EXP_SHIFT = 60.0
+
+
+def exp_shift(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The anchor of each row's stored exponentials: its target's logit h . weight[target] (fp32)
+    plus EXP_SHIFT, and +inf for a row without a target (index -1), whose exponentials are then
+    all 0.  One pass over h and the target rows of the weight (`one_pass`)."""
+    rows = weight[target.clamp_min(0).long()]
+    logit = (h.float() * rows.float()).sum(-1)
+    return torch.where(target >= 0, logit + EXP_SHIFT, float("inf"))
+
+
+def subtract_at_target(exps: torch.Tensor, target: torch.Tensor, sumexp: torch.Tensor) -> None:
+    """exps[t, target[t]] -= sumexp[t] in place (rows without a target, index -1, untouched):
+    with it a row of stored exponentials times dloss / sumexp is the row's logit gradient
+    (softmax - onehot) * dloss."""
+    rows = torch.arange(exps.shape[0], device=exps.device)
+    cols = target.clamp_min(0).long()
+    at = exps[rows, cols].float()
+    exps[rows, cols] = torch.where(target >= 0, at - sumexp, at).to(exps.dtype)
+
+
+def scale_rows(t: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """t times a per-row fp32 scale, in t's dtype (fp32 products, rounded once); ``out=t`` in place."""
+    scaled = t.float() * scale[:, None]
+    return scaled.to(t.dtype) if out is None else out.copy_(scaled)
+
+
 def cross_entropy_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, dloss: torch.Tensor,
                        *, out: torch.Tensor | None = None) -> torch.Tensor:
     """d logits of cross-entropy from stored logits, the math of the `cross_entropy_bwd` epilogue:
@@ -634,15 +672,22 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
                          token_chunk: int | None = None) -> torch.Tensor:
     """``F.cross_entropy(h @ weight.T, target)`` with the cross-entropy in the logits GEMM's epilogue.
 
-    Forward (``save_logits=True``, the default): one GEMM whose epilogue stores the logits and
-    keeps per-row log-sum-exp and target-logit partials (`cross_entropy_stats_save`; the logits
-    are tokens x vocab in the input dtype, 2.1 GB for 8192 tokens at vocab 128256, held until the
-    backward, as torch's own cross-entropy holds them; the statistics are those of the stored,
-    rounded logits).  Backward: one fused elementwise pass turns the stored logits into
-    d logits = (softmax - onehot) * dloss over the same memory (`cross_entropy_grad`, through
-    torch.compile on the GPU), then two plain GEMMs for dh and d weight.  Because the pass works
-    in place, the backward runs once: a second backward through the same graph
-    (retain_graph=True) raises PyTorch's error about a saved tensor modified in place.
+    Forward (``save_logits=True``, the default): one pass gives each row's anchor, its target's
+    logit plus ``EXP_SHIFT`` = 60 (`exp_shift`); then one GEMM whose epilogue stores, instead of
+    each logit, exp(logit - anchor) and keeps per-row partials of their sum and of the target's
+    logit (`cross_entropy_exp_save`; tokens x vocab values in the input dtype, 2.1 GB for 8192
+    tokens at vocab 128256, held until the backward, as torch's own cross-entropy holds the
+    logits); lse = anchor + log(sum).  Backward: d logits = (stored - onehot * sum) * dloss / sum
+    per row, so no pass over the stored values: the target's entry of each row is lowered by the
+    row's sum in place (one value per row), dh is the plain GEMM of the stored values and the
+    weight with its rows scaled after, and dW the plain GEMM of the stored values and h scaled
+    per row.  Because the backward changes the stored values in place, it runs once: a second
+    backward through the same graph (retain_graph=True) raises PyTorch's error about a saved
+    tensor modified in place.  Range: the anchor keeps every stored value finite while no logit
+    exceeds its row's target logit by more than ~88 nats (a per-token loss under ~148 nats);
+    beyond, that row's loss comes out inf and the gradients inf or NaN, never quietly wrong (the
+    lean mode has no such bound).  Stored exponentials are also more precise than stored 16-bit
+    logits, whose rounding (2^-9 of the logit) moves exp(logit - lse) by 2^-9 times the logit.
 
     ``save_logits=False`` is the memory-lean mode: the tokens x vocab logits never exist, only
     one chunk of ``token_chunk`` tokens' logits at a time (rounded up to a multiple of 8;

@@ -32,6 +32,25 @@ def cross_entropy_stats_save(acc, target: cc.RowVec):
 
 
 @cc.epilogue
+def cross_entropy_exp_save(acc, shift: cc.RowVec, target: cc.RowVec):
+    """Per row: the sum of exp(logit - shift) and the target's logit, with each exp(logit - shift)
+    stored (input dtype) for the backward pass, instead of the logit.
+
+    ``shift`` (fp32) anchors each row's exponentials, so lse = shift + log(sumexp), and the
+    gradient of the logits is (stored - onehot(target) * sumexp) * dloss / sumexp: a row scale of
+    the stored values, which the backward's GEMMs take as they are, with no pass over them.  The
+    sum is taken of the stored, rounded values, so each stored row's gradient sums to 0.
+    `linear_cross_entropy` anchors a row at its target's logit plus 60 (its docstring gives the range).
+    """
+    e = cc.exp(acc - shift).to(cc.input_dtype)
+    return {
+        "exp": e,
+        "sumexp": cc.row_sum(e),
+        "target_logit": cc.row_sum(cc.where(acc.col == target, acc, 0.0)),
+    }
+
+
+@cc.epilogue
 def cross_entropy_bwd(acc, lse: cc.RowVec, target: cc.RowVec, dloss: cc.RowVec):
     """d logits of cross-entropy from recomputed logits: (softmax - onehot(target)) * dloss.
 

@@ -175,19 +175,19 @@ def test_linear_cross_entropy_matches_autograd(reduction, save_logits, gen):
 
 
 @pytest.mark.parametrize("save_logits,reduction,want", [
-    (True, "mean", ["cross_entropy_stats_save"]),  # the logits stored, made their gradient in backward
+    (True, "mean", ["cross_entropy_exp_save"]),  # their exponentials stored, scaled into their gradient in backward
     (False, "mean", ["cross_entropy_stats_save"] * 3),  # gradients in the forward: chunks of 8, 8 and 4 tokens
     (False, "sum", ["cross_entropy_stats_save"] * 3),
     (False, "none", ["cross_entropy_stats"] + ["cross_entropy_bwd"] * 3),  # the logits again in backward
 ])
 def test_linear_cross_entropy_takes_the_path_asked_for(save_logits, reduction, want, gen, monkeypatch):
-    """Saved logits: one logits GEMM, nothing recomputed in backward.  Lean: the logits GEMM per
+    """Saved: one logits GEMM, nothing recomputed in backward.  Lean: the logits GEMM per
     token chunk in the forward, or statistics there and per chunk again in backward where each
     row has its own upstream gradient."""
     import coda_cute.nn as ccnn
 
     ran = []
-    for name in ("cross_entropy_stats", "cross_entropy_stats_save", "cross_entropy_bwd"):
+    for name in ("cross_entropy_stats", "cross_entropy_stats_save", "cross_entropy_exp_save", "cross_entropy_bwd"):
         op = ccnn._OPS[name]
         monkeypatch.setitem(ccnn._OPS, name, lambda *args, _op=op, _name=name: ran.append(_name) or _op(*args))
     h = torch.randn(20, 16, generator=gen).requires_grad_()
@@ -267,6 +267,29 @@ def test_saved_logits_become_their_gradient_so_a_second_backward_is_refused(save
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_saved_head_is_exact_within_its_range_and_fails_loudly_past_it():
+    """The default mode stores exp(logit - target logit - EXP_SHIFT): a token whose loss is ~100
+    nats gets torch's loss and gradients; one whose logit lies 200 nats over its target's (past
+    the range) gets an inf loss and non-finite gradients, never finite wrong ones."""
+    h = torch.eye(2, 4)
+    w = torch.zeros(8, 4)
+    w[1, 0], w[2, 1] = 100.0, 200.0  # row 0: a logit 100 over its target's; row 1: 200 over
+    target = torch.zeros(2, dtype=torch.long)
+    inside = h[:1].clone().requires_grad_()
+    loss = linear_cross_entropy(inside, w, target[:1])
+    ref_h = h[:1].clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(ref_h @ w.t(), target[:1])
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(inside.grad, ref_h.grad)
+    past = h.clone().requires_grad_()
+    loss = linear_cross_entropy(past, w, target, reduction="none")
+    assert loss[1] == float("inf") and loss[0].isfinite()
+    loss.sum().backward()
+    assert not past.grad.isfinite().all()
 
 
 def test_linear_cross_entropy_rejects_bad_arguments():

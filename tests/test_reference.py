@@ -754,6 +754,28 @@ def test_cross_entropy_stats_match_cross_entropy(gen):
     close(finish("sum", res.partials["target_logit"]), tl.reshape(-1), F32)
 
 
+def test_cross_entropy_exp_save_stores_what_scales_into_the_gradient(gen):
+    """exp(logit - shift) stored, its row sum and the target logit: lse = shift + log(sumexp), and
+    (stored - onehot * sumexp) * dloss / sumexp is cross-entropy's gradient of the logits."""
+    vocab, hidden = 20, 16
+    h = randn(gen, *BATCH, hidden)
+    w = randn(gen, vocab, hidden, scale=hidden**-0.5 * 3)
+    target = torch.randint(0, vocab, BATCH, generator=gen)
+    dloss = torch.rand(BATCH, generator=gen)
+    logits = gemm64(h, w).requires_grad_()
+    loss = torch.nn.functional.cross_entropy(logits, target.reshape(-1), reduction="none")
+    loss.backward(dloss.reshape(-1).double())
+    shift = logits.detach().gather(1, target.reshape(-1, 1)).squeeze(1).float().reshape(BATCH) + 60.0
+    out = cc.evaluate(library.get("cross_entropy_exp_save"), h, w, {"shift": shift, "target": target.float()},
+                      tile=TILE).outputs
+    exps, sumexp, tl = (out[k].reshape(-1, *out[k].shape[len(BATCH):]) for k in ("exp", "sumexp", "target_logit"))
+    close(exps, torch.exp(logits.detach() - shift.reshape(-1, 1).double()), F32)
+    close(sumexp, exps.sum(1), F32)
+    close(shift.reshape(-1) + torch.log(sumexp) - tl, loss.detach(), F32)
+    onehot = torch.nn.functional.one_hot(target.reshape(-1), vocab)
+    close((exps - onehot * sumexp[:, None]) * (dloss.reshape(-1) / sumexp)[:, None], logits.grad, F32)
+
+
 def test_cross_entropy_bwd_is_the_gradient_of_cross_entropy(gen):
     vocab, hidden = 20, 16
     h = randn(gen, *BATCH, hidden)
