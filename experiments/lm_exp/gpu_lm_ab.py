@@ -26,7 +26,8 @@ for name, (k, ops) in cands.items():
     if k is not None:
         k(h, w, **ops); print(name, k.last.config.tile, k.last.config.schedule, flush=True)
 # correctness of the new kernel vs fp32 torch
-e, s, tl = cands["exp_save default"][0](h, w, shift=shift, target=t)
+_o = cands["exp_save default"][0](h, w, shift=shift, target=t)
+e, s = _o["exp"], _o["sumexp"]
 logits = (h.float() @ w.float().t())
 valid = t >= 0
 ref_lse = torch.logsumexp(logits, 1)
