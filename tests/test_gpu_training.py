@@ -39,10 +39,10 @@ SAME = 1e-3  # relative error between two runs of the same kernels on the same d
 # fused-op launches in one training step (save_logits=True, the default): per block, the QKV
 # GEMM with norm + RoPE, the O projection's residual GEMM (storing the MLP's input scaled by its
 # norm's gain) and the MLP's, the gate/up GEMM with norm + SwiGLU, and in the backward the SwiGLU
-# dgrad and the two norm dgrads; per step, the LM head's GEMM with cross-entropy statistics
+# dgrad and the two norm dgrads; per step, the LM head's GEMM storing its exponentials with their row sums
 PER_BLOCK = {"rms_rope_qkv": 1, "residual_sumsq_scaled": 1, "residual_sumsq": 1, "rms_swiglu_save": 1,
              "swiglu_bwd_recompute": 1, "rmsnorm_bwd_rowdot": 2}
-PER_STEP = {"cross_entropy_stats_save": 1}
+PER_STEP = {"cross_entropy_exp_save": 1}
 
 
 def _rel(got, want) -> float:
