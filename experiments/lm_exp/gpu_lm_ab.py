@@ -1,23 +1,26 @@
-"""The LM head's default mode, stored exponentials (this branch) against stored logits (main):
-the forward kernels at 8192 x 128256 x 4096 (default tile, ping-pong 128x192 and 128x128, main's
-cross_entropy_stats_save, our GEMM, cuBLAS) and the two backwards, in one process.  Run from the
-repository root on a GPU: python experiments/lm_exp/gpu_lm_ab.py"""
-import torch, statistics, time
+"""The LM head's default mode, stored exponentials (cross_entropy_exp_save) against stored logits
+(cross_entropy_stats_save): the forward kernels at 8192 x 128256 x D (each at its default, the
+exponentials also at ping-pong 128x192, cooperative 128x256 and ping-pong 128x128, our GEMM,
+cuBLAS) and the two backwards, in one process.  Run from the repository root on a GPU:
+python experiments/lm_exp/gpu_lm_ab.py [D (4096)] [--kernels-only]"""
+import sys, torch, statistics, time
 from coda_cute import library
 from coda_cute.runtime import Kernel
 from coda_cute import nn as ccnn
 from coda_cute.ops import one_pass
 torch.manual_seed(0)
-T, V, D = 8192, 128256, 4096
+T, V = 8192, 128256
+D = int(next((a for a in sys.argv[1:] if a.isdigit()), 4096))
 h = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
 w = (torch.randn(V, D, device="cuda") * D ** -0.5 * 4).bfloat16()
 t = torch.randint(0, V, (T,), device="cuda", dtype=torch.int32)
 t[::17] = -1
 shift = ccnn.exp_shift(h, w, t)
 cands = {
-    "stats_save (pingpong 128x192, main)": (Kernel(library.get("cross_entropy_stats_save")), {"target": t}),
+    "stats_save default": (Kernel(library.get("cross_entropy_stats_save")), {"target": t}),
     "exp_save default": (Kernel(library.get("cross_entropy_exp_save")), {"shift": shift, "target": t}),
     "exp_save pingpong 128x192": (Kernel(library.get("cross_entropy_exp_save"), tile=(128, 192), schedule="pingpong", cluster=(1, 2)), {"shift": shift, "target": t}),
+    "exp_save cooperative 128x256": (Kernel(library.get("cross_entropy_exp_save"), tile=(128, 256), schedule="cooperative", cluster=(1, 2)), {"shift": shift, "target": t}),
     "exp_save pingpong 128x128": (Kernel(library.get("cross_entropy_exp_save"), tile=(128, 128), schedule="pingpong", cluster=(1, 2)), {"shift": shift, "target": t}),
     "our gemm": (Kernel(library.get("gemm")), {}),
     "cuBLAS": (None, {}),
@@ -52,6 +55,8 @@ for r in range(7):
         res[n].append(st.elapsed_time(en) / 5)
 for n, v in res.items():
     print(f"{n:40s} {statistics.median(v):8.3f} ms")
+if "--kernels-only" in sys.argv:
+    sys.exit()
 # backward: main's pass + 2 cuBLAS vs new patch + scaled GEMMs
 logits = h @ w.t()
 lse = torch.logsumexp(logits.float(), 1)
