@@ -232,6 +232,7 @@ def test_heavy_epilogue_tile_counts_waves(m, n, gpu, tile):
     ("rms_swiglu_save", "pingpong"), ("swiglu_save", "pingpong"),  # N/2 + N of stores per row
     ("swiglu_bwd", "pingpong"), ("rope_qkv", "pingpong"), ("qk_rmsnorm", "cooperative"),
     ("cross_entropy_stats", "pingpong"), ("cross_entropy_stats_save", "pingpong"),  # a row log-sum-exp
+    ("cross_entropy_exp_save", "pingpong"),  # a row sum of exponentials
     ("cross_entropy_bwd", "cooperative"),  # exponentials too, no reduction; not measured on ping-pong
 ])
 def test_default_schedule_per_program(name, schedule):
