@@ -754,10 +754,9 @@ def test_cross_entropy_stats_match_cross_entropy(gen):
     close(finish("sum", res.partials["target_logit"]), tl.reshape(-1), F32)
 
 
-def test_cross_entropy_exp_save_stores_what_scales_into_the_gradient(gen):
-    """exp(logit - shift) stored, its row sum and the target logit: lse = shift + log(sumexp), and
-    (stored - onehot * sumexp) * dloss / sumexp is cross-entropy's gradient of the logits."""
-    vocab, hidden = 20, 16
+def _cross_entropy_case(gen, vocab: int = 20, hidden: int = 16):
+    """h, w, target, dloss, the float64 logits h @ w.T with torch's gradient of dloss-weighted
+    per-row cross-entropy in .grad, and that per-row loss."""
     h = randn(gen, *BATCH, hidden)
     w = randn(gen, vocab, hidden, scale=hidden**-0.5 * 3)
     target = torch.randint(0, vocab, BATCH, generator=gen)
@@ -765,6 +764,14 @@ def test_cross_entropy_exp_save_stores_what_scales_into_the_gradient(gen):
     logits = gemm64(h, w).requires_grad_()
     loss = torch.nn.functional.cross_entropy(logits, target.reshape(-1), reduction="none")
     loss.backward(dloss.reshape(-1).double())
+    return h, w, target, dloss, logits, loss
+
+
+def test_cross_entropy_exp_save_stores_what_scales_into_the_gradient(gen):
+    """exp(logit - shift) stored, its row sum and the target logit: lse = shift + log(sumexp), and
+    (stored - onehot * sumexp) * dloss / sumexp is cross-entropy's gradient of the logits."""
+    h, w, target, dloss, logits, loss = _cross_entropy_case(gen)
+    vocab = w.shape[0]
     shift = logits.detach().gather(1, target.reshape(-1, 1)).squeeze(1).float().reshape(BATCH) + 60.0
     out = cc.evaluate(library.get("cross_entropy_exp_save"), h, w, {"shift": shift, "target": target.float()},
                       tile=TILE).outputs
@@ -777,13 +784,8 @@ def test_cross_entropy_exp_save_stores_what_scales_into_the_gradient(gen):
 
 
 def test_cross_entropy_bwd_is_the_gradient_of_cross_entropy(gen):
-    vocab, hidden = 20, 16
-    h = randn(gen, *BATCH, hidden)
-    w = randn(gen, vocab, hidden, scale=hidden**-0.5 * 3)
-    target = torch.randint(0, vocab, BATCH, generator=gen)
-    dloss = torch.rand(BATCH, generator=gen)
-    logits = gemm64(h, w).requires_grad_()
-    torch.nn.functional.cross_entropy(logits, target.reshape(-1), reduction="none").backward(dloss.reshape(-1).double())
+    h, w, target, dloss, logits, _ = _cross_entropy_case(gen)
+    vocab = w.shape[0]
     lse = torch.logsumexp(logits.detach(), -1).float().reshape(BATCH)
     d = cc.evaluate(library.get("cross_entropy_bwd"), h, w,
                     {"lse": lse, "target": target.float(), "dloss": dloss}).outputs["D"]
