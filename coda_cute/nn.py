@@ -557,7 +557,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dh, dw = ctx.saved_tensors
             one_pass(_scale_in_place, dloss)(dh, dw, dloss)
             return None if dh is None else dh.reshape(ctx.shape[0]), dw, *_NOTHING_ELSE
-        h2, weight, t_index, lse, valid, count, *logits = ctx.saved_tensors
+        # row_stat: the log-sum-exp ("later") or the sum of the stored exponentials ("saved")
+        h2, weight, t_index, row_stat, valid, count, *stored = ctx.saved_tensors
         if ctx.reduction == "none":
             per_row = dloss.reshape(-1).float()
         else:
@@ -565,13 +566,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         per_row = torch.where(valid, per_row, 0.0)
         if ctx.mode == "later":
             def d_logits(rows):  # the logits GEMM again, with their gradient in its epilogue
-                return _OPS["cross_entropy_bwd"](h2[rows], weight, lse[rows], t_index[rows], per_row[rows])
+                return _OPS["cross_entropy_bwd"](h2[rows], weight, row_stat[rows], t_index[rows], per_row[rows])
 
             dh, dw = _head_gradients(h2, weight, ctx.token_chunk, d_logits, *ctx.needs_input_grad[:2])
             return None if dh is None else dh.reshape(ctx.shape[0]), dw, *_NOTHING_ELSE
         # d logits = (exps - onehot * sumexp) * scale per row: the target's entries made so in
         # place (one per row), the row scale taken by dh's output and by dW's other operand
-        exps, sumexp = logits[0], lse
+        exps, sumexp = stored[0], row_stat
         scale = torch.where(valid, per_row / sumexp, 0.0)
         one_pass(subtract_at_target, exps)(exps, t_index, sumexp)
         dh = exps @ weight  # plain GEMMs: cuBLAS (module docstring)
