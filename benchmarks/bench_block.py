@@ -763,21 +763,30 @@ def print_summary(rows):
                       f"peak ratio {_fmt(e['peak_ratio'], '.2f')}")
 
 
-def _commit():
+def commit(checkout: str | None = None) -> str:
+    """The commit a result file names: $CODA_COMMIT where set, else the HEAD of ``checkout`` (this
+    one by default), with "+changes" where tracked files differ from it (a working tree copied
+    onto a machine whose git copy sits at another commit reads so, instead of naming a commit
+    that did not run)."""
     if os.environ.get("CODA_COMMIT"):
         return os.environ["CODA_COMMIT"]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                              cwd=checkout or os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or "unknown"
+        head = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    return (head + "+changes" if changed else head) or "unknown"
 
 
 def write(path, rows, smoke, extra: dict | None = None, machine: str | None = None):
     """The result file: {"meta": {date, gpu, torch, commit, command}, "rows": rows, **extra}; a
     CPU benchmark names its ``machine`` instead of the GPU."""
     where = {"machine": machine} if machine else {"gpu": "cpu (--smoke)" if smoke else torch.cuda.get_device_name()}
-    meta = {"date": time.strftime("%Y-%m-%d"), **where, "torch": torch.__version__, "commit": _commit(),
+    meta = {"date": time.strftime("%Y-%m-%d"), **where, "torch": torch.__version__, "commit": commit(),
             "command": "python " + " ".join(map(shlex.quote, sys.argv))}
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows, **(extra or {})}, f, indent=1)

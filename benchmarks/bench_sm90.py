@@ -43,6 +43,8 @@ from coda_cute.compile import compile_source
 from coda_cute.config import DEFAULT_SWIZZLE
 from coda_cute.render import emit_command
 
+from bench_block import commit  # the commit a result file names
+
 SHAPES = {  # hidden d -> (ffn, qkv)
     2048: (8192, 3072),
     4096: (14336, 6144),
@@ -327,7 +329,7 @@ def main():
 def _write(args, rows):
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cutlass_dsl": __import__("cutlass").__version__, "python": platform.python_version(),
-            "commit": _commit(), "command": "python " + " ".join(map(shlex.quote, sys.argv))}
+            "commit": commit(), "command": "python " + " ".join(map(shlex.quote, sys.argv))}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
@@ -357,15 +359,6 @@ def _line(row, contenders):
     for key in contenders:
         parts.append(f"{key}: {row[key]['ms']:.3f} ms ±{100 * row[key]['spread']:.1f}%")
     return " | ".join(parts)
-
-
-def _commit():
-    if os.environ.get("CODA_COMMIT"):
-        return os.environ["CODA_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

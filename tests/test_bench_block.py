@@ -117,6 +117,23 @@ def test_smoke_run(bench, tmp_path):
     assert "under the bar in wall time" in result.stdout
 
 
+def test_result_files_name_a_changed_tree_as_changed(bench, tmp_path, monkeypatch):
+    """A run from a working tree that differs from its HEAD is not recorded as that commit."""
+    monkeypatch.delenv("CODA_COMMIT", raising=False)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "f.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "f.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "f"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (tmp_path / "new.py").write_text("")  # untracked: the commit still says what ran
+    assert bench.commit(str(tmp_path)) == head
+    (tmp_path / "f.py").write_text("x = 2\n")
+    assert bench.commit(str(tmp_path)) == head + "+changes"
+    monkeypatch.setenv("CODA_COMMIT", "abc1234")
+    assert bench.commit(str(tmp_path)) == "abc1234"
+
+
 class _RMSNorm(nn.Module):  # LigerRMSNorm's interface
     def __init__(self, hidden_size, eps=1e-6):
         super().__init__()
