@@ -571,13 +571,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dh, dw = _head_gradients(h2, weight, ctx.token_chunk, d_logits, *ctx.needs_input_grad[:2])
             return None if dh is None else dh.reshape(ctx.shape[0]), dw, *_NOTHING_ELSE
         # d logits = (exps - onehot * sumexp) * scale per row: the target's entries made so in
-        # place (one per row), the row scale taken by dh's output and by dW's other operand
+        # place (one per row), the row scale taken by dW's other operand and by dh's output
         exps, sumexp = stored[0], row_stat
         scale = torch.where(valid, per_row / sumexp, 0.0)
         one_pass(subtract_at_target, exps)(exps, t_index, sumexp)
-        dh = exps @ weight  # plain GEMMs: cuBLAS (module docstring)
-        dw = exps.t() @ one_pass(scale_rows, h2)(h2, scale)
-        return one_pass(scale_rows, dh)(dh, scale, out=dh).reshape(ctx.shape[0]), dw, *_NOTHING_ELSE
+        need_dh, need_dw = ctx.needs_input_grad[:2]
+        # one tokens x d buffer beside dW, as torch's backward holds: h scaled per row for dW,
+        # then dh written over it (plain GEMMs: cuBLAS, module docstring)
+        rows = one_pass(scale_rows, h2)(h2, scale) if need_dw else None
+        dw = exps.t() @ rows if need_dw else None
+        dh = None
+        if need_dh:
+            dh = exps @ weight if rows is None else torch.matmul(exps, weight, out=rows)
+            dh = one_pass(scale_rows, dh)(dh, scale, out=dh).reshape(ctx.shape[0])
+        return dh, dw, *_NOTHING_ELSE
 
 
 def _scale_in_place(dh: torch.Tensor | None, dw: torch.Tensor | None, dloss: torch.Tensor) -> None:

@@ -174,6 +174,23 @@ def test_linear_cross_entropy_matches_autograd(reduction, save_logits, gen):
     torch.testing.assert_close(h.grad[0, 3], torch.zeros(16, dtype=torch.float64))  # ignored row
 
 
+@pytest.mark.parametrize("save_logits", [False, True])
+@pytest.mark.parametrize("wants", ["h", "weight"])
+def test_linear_cross_entropy_makes_only_the_gradients_asked_for(wants, save_logits, gen):
+    """A frozen weight (or an input without a gradient): the other gradient matches autograd's,
+    and none is made for what does not want one."""
+    h = torch.randn(9, 16, generator=gen, dtype=torch.float64)
+    w = torch.randn(40, 16, generator=gen, dtype=torch.float64) * 0.5
+    target = torch.randint(0, 40, (9,), generator=gen)
+    h32, w32 = h.float().requires_grad_(wants == "h"), w.float().requires_grad_(wants == "weight")
+    linear_cross_entropy(h32, w32, target, save_logits=save_logits).backward()
+    h_ref, w_ref = h.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.nn.functional.cross_entropy(h_ref @ w_ref.t(), target).backward()
+    got, other, want = (h32, w32, h_ref) if wants == "h" else (w32, h32, w_ref)
+    torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5)
+    assert other.grad is None
+
+
 @pytest.mark.parametrize("save_logits,reduction,want", [
     (True, "mean", ["cross_entropy_exp_save"]),  # their exponentials stored, scaled into their gradient in backward
     (False, "mean", ["cross_entropy_stats_save"] * 3),  # gradients in the forward: chunks of 8, 8 and 4 tokens
