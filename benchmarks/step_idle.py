@@ -3,9 +3,13 @@ cases (coda-cute and the floor): the host's time to queue one step (alone, and a
 back to back), the GPU's time per step back to back (CUDA events), and in a profiled window of
 five queued steps the kernels' summed time, the time at least one kernel ran (kernels that
 overlap, such as a dependent launch waiting for the kernel before it, count once) and the
-window's span (span less that time: the GPU idle between kernels), per step.
+window's span (span less that time: the GPU idle between kernels), per step.  With ``--energy S``
+also the energy of a step: the steps run back to back for S seconds while nvidia-smi samples the
+SM clock and board power (`clocks.sample`), and mJ per step is the median power times the time
+per step.  At the board's power cap a step's time follows its energy, so this says whether our
+step is slower than the floor because it does more work per step or because it waits.
 
-    python benchmarks/step_idle.py --d 2048 [--cases block MLP]
+    python benchmarks/step_idle.py --d 2048 [--cases block MLP] [--energy 3]
 
 Prints one JSON line per (case, contender).  Needs a GPU."""
 
@@ -23,6 +27,14 @@ import bench_block as bb  # noqa: E402  (the cases and contenders bench_block ti
 
 CASES = {"block": bb.block_case, "MLP": bb.mlp_case}
 QUEUED, PROFILED = 30, 5  # steps queued back to back; steps in the profiled window
+
+
+def energy(contender, seconds: float) -> dict:
+    """The step's SM clock, board power and energy while steps run back to back for `seconds`."""
+    from clocks import sample  # nvidia-smi's samples (imports bench_sm90: only when asked for)
+    got = sample(contender, seconds)
+    return dict(sm_mhz=got["sm_mhz"], power_w=got["power_w"], throttle_reasons=got["throttle_reasons"],
+                sampled_ms_per_step=round(got["ms_per_call"], 3), mj_per_step=round(got["power_w"] * got["ms_per_call"], 1))
 
 
 def measure(contender) -> dict:
@@ -76,6 +88,8 @@ def main(argv=None):
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--energy", type=float, default=0, metavar="SECONDS",
+                        help="also sample clock and power for this long per contender: mJ per step")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a GPU")
@@ -87,6 +101,8 @@ def main(argv=None):
             case = CASES[case_name](bench, d)
             for who in (bb.CODA, bb.FLOOR):
                 row = dict(d=d, case=case_name, who=who, **measure(case.contenders[who]))
+                if args.energy:
+                    row.update(energy(case.contenders[who], args.energy))
                 print(json.dumps(row), flush=True)
             del case
             torch.cuda.empty_cache()
