@@ -560,7 +560,8 @@ def _heavy_epilogue(program) -> bool:
     (cross-entropy's statistics: a log-sum-exp, two exponentials per element, or a sum of the
     stored exponentials), and has no segment reductions (whose segments, e.g. 128-column heads,
     need not divide 192 columns).  cross_entropy_exp_save at 8192 x 128256 x 4096 on an H100:
-    ping-pong 128x192 11.97 ms, cooperative 128x256 13.21 (benchmarks/results, "LM head")."""
+    ping-pong 128x192 11.97 ms, cooperative 128x256 13.21 (benchmarks/results, "Stored
+    exponentials instead of stored logits")."""
     tables = any(op.kind == "table" for op in program.operands)
     wide = any(op.kind == "tile" and op.width == 2 for op in program.operands)
     wide = wide or any(out.node.width == 2 for out in program.tile_outputs)
