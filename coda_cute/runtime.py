@@ -521,7 +521,8 @@ def default_tile(program: Program, m: int, n: int, schedule: str | None = None, 
         return SMALL_CALL_TILE[0], cluster, SMALL_CALL_TILE[1]
     if n <= 128:
         return (128, 128), cluster, "cooperative"
-    if n >= 1024 and heavy and schedule is None and (k is None or k <= PINGPONG_MAX_K):
+    deep = k is not None and k > PINGPONG_MAX_K and not _row_exponentials(program)
+    if n >= 1024 and heavy and schedule is None and not deep:
         return _pingpong_tile(m, n, sms), cluster, "pingpong"
     return (128, 256), cluster, "cooperative"
 
@@ -567,10 +568,15 @@ def _heavy_epilogue(program) -> bool:
     wide = wide or any(out.node.width == 2 for out in program.tile_outputs)
     tile_inputs = any(op.kind == "tile" for op in program.operands)
     wide_stores = not tile_inputs and sum(out.node.width for out in program.tile_outputs) > 1
+    return (tables or wide or wide_stores or _row_exponentials(program)) and not program.uses("segreduce")
+
+
+def _row_exponentials(program) -> bool:
+    """Whether the epilogue folds exponentials of each row into a row reduction (cross-entropy's
+    statistics): work per element that a deeper K does not make cheaper against the wider tile."""
     row_reductions = [out for out in program.reductions if out.axis == "row"]
-    row_exponentials = any(out.reduce == "logsumexp" for out in row_reductions) or (
+    return any(out.reduce == "logsumexp" for out in row_reductions) or (
         program.uses("exp") and bool(row_reductions))
-    return (tables or wide or wide_stores or row_exponentials) and not program.uses("segreduce")
 
 
 # ----------------------------------------------------------------------------- checks
