@@ -252,6 +252,16 @@ def test_heavy_epilogues_run_cooperative_at_a_deep_k(k, schedule):
     assert (config.tile, config.schedule) == (((128, 192) if schedule == "pingpong" else (128, 256)), schedule)
 
 
+def test_row_exponentials_keep_ping_pong_at_a_deep_k():
+    """The LM head's statistics keep ping-pong 128x192 beyond PINGPONG_MAX_K: their work per
+    element does not shrink against the mainloop as K grows the way a wide tile's traffic does."""
+    program = library.get("cross_entropy_exp_save")
+    a, b = torch.empty(8192, 8192, dtype=torch.bfloat16), torch.empty(32768, 8192, dtype=torch.bfloat16)
+    config = Kernel(program, gpu="H100").config_for(bind(program, a, b, {"shift": torch.empty(8192),
+                                                                        "target": torch.empty(8192, dtype=torch.int32)}))
+    assert (config.tile, config.schedule) == ((128, 192), "pingpong")
+
+
 def test_kernel_passes_the_tile_order_and_checks_it():
     program = library.get("gemm")
     a, b = torch.randn(256, 64, dtype=torch.bfloat16), torch.randn(512, 64, dtype=torch.bfloat16)
