@@ -501,7 +501,7 @@ def default_tile(program: Program, m: int, n: int, schedule: str | None = None, 
                  k: int | None = None, small: bool = False) -> tuple[tuple[int, int], tuple[int, int], str]:
     """Tile, cluster and schedule for an M x N output of a K-deep product on a GPU of ``sms``
     SMs: 128x256 with a 2-CTA cluster for big outputs; ping-pong 128x192 for programs with a
-    heavy epilogue (see _heavy_epilogue) up to K = PINGPONG_MAX_K (None: taken as within it),
+    heavy epilogue (see _heavy_epilogue) up to the K of _pingpong_max_k (None: taken as within it),
     or 128x128 where 192-column tiles fill the last wave of tiles so poorly that the smaller
     tile finishes first (_pingpong_tile); cooperative 128x128 for a ``small`` call
     (SMALL_CALL_TILE).  With a ``schedule`` asked for, the tile for that schedule: as above where
@@ -509,10 +509,10 @@ def default_tile(program: Program, m: int, n: int, schedule: str | None = None, 
     # measured on H200 (benchmarks/results, d = 4096): 128x256 with a 1x2 cluster leads for the
     # GEMM and light epilogues; ping-pong 128x192, where one warpgroup's epilogue runs while the
     # other's WGMMAs keep the tensor cores busy, leads where the epilogue is heavy (SwiGLU bwd
-    # 1.53 vs 1.72 ms, RoPE 0.67 vs 0.70; RMS + SwiGLU + save 0.863 vs 0.931 at d = 2048, 2.903
-    # vs 3.128 at d = 4096) and loses a few % elsewhere (smaller tile; for residual + sumsq and
-    # RMSNorm backward, whose epilogues wait on tile inputs).  A deeper K gives each tile's
-    # epilogue more mainloop to hide behind, and the wider cooperative tile wins (PINGPONG_MAX_K)
+    # 1.53 vs 1.72 ms, RoPE 0.67 vs 0.70; RMS + SwiGLU + save 0.863 vs 0.931 at d = 2048) and
+    # loses a few % elsewhere (smaller tile; for residual + sumsq and RMSNorm backward, whose
+    # epilogues wait on tile inputs).  A deeper K gives each tile's epilogue more mainloop to hide
+    # behind, and the wider cooperative tile wins (_pingpong_max_k)
     cluster = (1, 2) if n > 256 else (2, 1) if m > 128 else (1, 1)
     heavy = _heavy_epilogue(program)
     if schedule == "pingpong":
@@ -521,8 +521,7 @@ def default_tile(program: Program, m: int, n: int, schedule: str | None = None, 
         return SMALL_CALL_TILE[0], cluster, SMALL_CALL_TILE[1]
     if n <= 128:
         return (128, 128), cluster, "cooperative"
-    deep = k is not None and k > PINGPONG_MAX_K and not _row_exponentials(program)
-    if n >= 1024 and heavy and schedule is None and not deep:
+    if n >= 1024 and heavy and schedule is None and (k is None or k <= _pingpong_max_k(program)):
         return _pingpong_tile(m, n, sms), cluster, "pingpong"
     return (128, 256), cluster, "cooperative"
 
@@ -540,6 +539,27 @@ SMALL_CALL_TILE = ((128, 128), "cooperative")
 #: heavy kernel ping-pong 128x192 against cooperative 128x256: d = K = 2048 3.952 vs 4.004 ms,
 #: 4096 13.183 vs 13.212, 8192 52.98 / 53.04 vs 50.79 / 50.85 (block 67.06 vs 64.98)
 PINGPONG_MAX_K = 4096
+
+#: the deepest K at which an epilogue heavy only by its stores (more than N columns per row
+#: written, no tile read: SwiGLU with its saved pre-activation) defaults to ping-pong.  On an H100
+#: (2026-12-07, benchmarks/results "Llama block"), sustained, gate/up + RMS + SwiGLU + save:
+#: ping-pong 128x192 0.865 ms against cooperative 128x256 0.936 at d = K = 2048, but 3.01-3.03
+#: against 2.95 at 4096, and the d = 4096 MLP step ran 1.0-1.4 % faster with it cooperative
+PINGPONG_MAX_K_STORES = 2048
+
+
+def _pingpong_max_k(program) -> float:
+    """The deepest K at which a heavy epilogue (_heavy_epilogue) defaults to ping-pong: none for
+    exponentials folded into row reductions (their work per element does not shrink against a
+    deeper mainloop: cross_entropy_exp_save at 8192 x 128256 x 8192 on an H100, 24.47 ms against
+    24.87-24.98 cooperative), PINGPONG_MAX_K_STORES for epilogues heavy only by their stores,
+    else PINGPONG_MAX_K."""
+    if _row_exponentials(program):
+        return math.inf
+    tables = any(op.kind == "table" for op in program.operands)
+    wide_inputs = any(op.kind == "tile" and op.width == 2 for op in program.operands)
+    wide_outputs = any(out.node.width == 2 for out in program.tile_outputs)
+    return PINGPONG_MAX_K if tables or wide_inputs or wide_outputs else PINGPONG_MAX_K_STORES
 
 
 def _pingpong_tile(m: int, n: int, sms: int) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from coda_cute.cli import main
 from coda_cute.compile import CompiledKernel, kernel_instructions, local_accesses, stack_frame_bytes
 from coda_cute.config import KernelConfig, unrolled_subtiles
 from coda_cute.precompile import PrecompileResult
-from coda_cute.runtime import Kernel, SpillWarning, runtime_defaults
+from coda_cute.runtime import Kernel, SpillWarning, fill_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 from random_programs import random_program  # noqa: E402
@@ -32,14 +32,15 @@ ROOT = Path(__file__).resolve().parent.parent
 @cc.epilogue
 def geglu_save(acc):
     """A GLU with erf GELU and its saved pre-activation: heavy by the rules (N/2 + N columns
-    stored), so ping-pong 128x192, where it spills."""
+    stored), so ping-pong 128x192 up to K = 2048, where it spills."""
     gate, up = cc.pairs(acc)
     return {"D": cc.gelu(gate) * up, "preact": acc}
 
 
-def rules_choice(program) -> KernelConfig:
-    """The runtime's choice for a large problem (not host-bound)."""
-    tile, cluster, schedule = runtime_defaults(program)
+def rules_choice(program, k: int = 2048) -> KernelConfig:
+    """The runtime's choice for a large problem, 8192 x 8192 x k (not host-bound): at K = 2048
+    every heavy epilogue runs ping-pong 128x192 (runtime._pingpong_max_k)."""
+    tile, cluster, schedule = fill_config(program, 8192, 8192, k=k)
     return KernelConfig(tile=tile, cluster=cluster, schedule=schedule,
                         unroll_subtiles=unrolled_subtiles(schedule, "sm_90a")).resolved(program)
 
@@ -215,10 +216,12 @@ def unwrapped(source: str) -> str:
 
 
 def test_cli_shows_the_decided_kernel_and_precompile_decides(cache_dir, tmp_path, capsys):
-    source = tmp_path / "glu.py"
-    source.write_text("import coda_cute as cc\n\n\n@cc.epilogue\ndef geglu_save(acc):\n"
-                      "    gate, up = cc.pairs(acc)\n    return {'D': cc.gelu(gate) * up, 'preact': acc}\n")
-    name = f"{source}:geglu_save"
+    """The CLI builds what a call with K = 4096 runs (runtime_defaults): a random composition
+    that is heavy there (2N-wide values) and spills at ping-pong 128x192."""
+    source = tmp_path / "composed.py"
+    source.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                      "from random_programs import random_program\n\ncomposed = random_program(14)\n")
+    name = f"{source}:composed"
     assert main(["inspect", name]) == 0
     shown = capsys.readouterr().out
     assert "tile 128x192, cluster 1x2, pingpong" in shown

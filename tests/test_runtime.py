@@ -229,7 +229,8 @@ def test_heavy_epilogue_tile_counts_waves(m, n, gpu, tile):
 @pytest.mark.parametrize("name,schedule", [
     ("gemm", "cooperative"), ("swiglu", "cooperative"), ("residual_sumsq", "cooperative"),
     ("rmsnorm_bwd_residual", "cooperative"),  # 2N of outputs, but its epilogue waits on tile inputs
-    ("rms_swiglu_save", "pingpong"), ("swiglu_save", "pingpong"),  # N/2 + N of stores per row
+    # N/2 + N of stores per row: ping-pong up to K = 2048, and runtime_defaults is K = 4096's
+    ("rms_swiglu_save", "cooperative"), ("swiglu_save", "cooperative"),
     ("swiglu_bwd", "pingpong"), ("rope_qkv", "pingpong"), ("qk_rmsnorm", "cooperative"),
     ("cross_entropy_stats", "pingpong"), ("cross_entropy_stats_save", "pingpong"),  # a row log-sum-exp
     ("cross_entropy_exp_save", "pingpong"),  # a row sum of exponentials
@@ -237,24 +238,33 @@ def test_heavy_epilogue_tile_counts_waves(m, n, gpu, tile):
 ])
 def test_default_schedule_per_program(name, schedule):
     """Ping-pong 128x192 where the epilogue is heavy (measured, benchmarks/results), else
-    cooperative 128x256, for a large problem."""
+    cooperative 128x256, for a large problem (K = 4096)."""
     assert runtime_defaults(library.get(name)) == (((128, 192) if schedule == "pingpong" else (128, 256)), (1, 2),
                                                    schedule)
 
 
-@pytest.mark.parametrize("k,schedule", [(2048, "pingpong"), (4096, "pingpong"), (8192, "cooperative")])
-def test_heavy_epilogues_run_cooperative_at_a_deep_k(k, schedule):
-    """A heavy epilogue runs ping-pong up to K = 4096 and cooperative 128x256 beyond, where the
-    mainloop is long enough to hide it (d = 8192 Llama steps, measured)."""
-    program = library.get("rms_swiglu_save")
+@pytest.mark.parametrize("name,k,schedule", [
+    ("swiglu_bwd", 2048, "pingpong"), ("swiglu_bwd", 4096, "pingpong"), ("swiglu_bwd", 8192, "cooperative"),
+    # heavy only by its stores (N/2 + N per row, no tile read): cooperative from K = 4096 on
+    ("rms_swiglu_save", 2048, "pingpong"), ("rms_swiglu_save", 4096, "cooperative"),
+    ("rms_swiglu_save", 8192, "cooperative"),
+])
+def test_heavy_epilogues_run_cooperative_at_a_deep_k(name, k, schedule):
+    """A heavy epilogue runs ping-pong up to K = PINGPONG_MAX_K (PINGPONG_MAX_K_STORES where only
+    its stores make it heavy) and cooperative 128x256 beyond, where the mainloop is long enough to
+    hide it (Llama MLP steps and kernels, measured)."""
+    program = library.get(name)
     a, b = torch.empty(8192, k, dtype=torch.bfloat16), torch.empty(16384, k, dtype=torch.bfloat16)
-    config = Kernel(program, gpu="H100").config_for(bind(program, a, b, {"rstd": torch.empty(8192)}))
+    operands = {"rstd": torch.empty(8192)} if name == "rms_swiglu_save" else \
+        {"preact": torch.empty(8192, 2 * 16384, dtype=torch.bfloat16)}
+    config = Kernel(program, gpu="H100").config_for(bind(program, a, b, operands))
     assert (config.tile, config.schedule) == (((128, 192) if schedule == "pingpong" else (128, 256)), schedule)
 
 
 def test_row_exponentials_keep_ping_pong_at_a_deep_k():
     """The LM head's statistics keep ping-pong 128x192 beyond PINGPONG_MAX_K: their work per
-    element does not shrink against the mainloop as K grows the way a wide tile's traffic does."""
+    element does not shrink against the mainloop as K grows the way a wide tile's traffic does
+    (measured at 8192 x 128256 x 8192)."""
     program = library.get("cross_entropy_exp_save")
     a, b = torch.empty(8192, 8192, dtype=torch.bfloat16), torch.empty(32768, 8192, dtype=torch.bfloat16)
     config = Kernel(program, gpu="H100").config_for(bind(program, a, b, {"shift": torch.empty(8192),
