@@ -439,7 +439,7 @@ def test_calls_share_their_plans_partials_on_its_stream_only(in_gemm):
 
 @pytest.mark.parametrize("name", ["rms_swiglu_save", "swiglu_bwd_recompute"])
 def test_heavy_epilogue_default_at_a_deep_k(name):
-    """Beyond K = 4096 the rules give heavy epilogues cooperative 128x256 (runtime.PINGPONG_MAX_K),
+    """Beyond K = 4096 the rules give heavy epilogues cooperative 128x256 (runtime._pingpong_max_k),
     where the SwiGLU backward parks a few values in local memory (cache.SPILL_TOLERATED_ACCESSES):
     the kernels the Llama MLP runs at d = 8192, at a shape that is no multiple of the tile."""
     config = run_and_compare(library.get(name), 1500, 1040, 4104)  # 12.8 GFLOP: not host-bound
