@@ -549,17 +549,15 @@ PINGPONG_MAX_K_STORES = 2048
 
 
 def _pingpong_max_k(program) -> float:
-    """The deepest K at which a heavy epilogue (_heavy_epilogue) defaults to ping-pong: none for
+    """The deepest K at which a heavy epilogue (_heavy_epilogue) defaults to ping-pong: any for
     exponentials folded into row reductions (their work per element does not shrink against a
     deeper mainloop: cross_entropy_exp_save at 8192 x 128256 x 8192 on an H100, 24.47 ms against
     24.87-24.98 cooperative), PINGPONG_MAX_K_STORES for epilogues heavy only by their stores,
     else PINGPONG_MAX_K."""
-    if _row_exponentials(program):
+    why = _heavy_because(program)
+    if "exponentials" in why:
         return math.inf
-    tables = any(op.kind == "table" for op in program.operands)
-    wide_inputs = any(op.kind == "tile" and op.width == 2 for op in program.operands)
-    wide_outputs = any(out.node.width == 2 for out in program.tile_outputs)
-    return PINGPONG_MAX_K if tables or wide_inputs or wide_outputs else PINGPONG_MAX_K_STORES
+    return PINGPONG_MAX_K_STORES if why == {"stores"} else PINGPONG_MAX_K
 
 
 def _pingpong_tile(m: int, n: int, sms: int) -> tuple[int, int]:
@@ -575,28 +573,31 @@ def _pingpong_tile(m: int, n: int, sms: int) -> tuple[int, int]:
 
 
 def _heavy_epilogue(program) -> bool:
-    """Whether the epilogue reads or writes 2N-wide tiles (SwiGLU backward), reads tables
-    (RoPE), writes more than N columns per row without reading tile inputs (SwiGLU with its
-    saved pre-activation: N/2 + N), or folds exponentials of each row into a row reduction
-    (cross-entropy's statistics: a log-sum-exp, two exponentials per element, or a sum of the
-    stored exponentials), and has no segment reductions (whose segments, e.g. 128-column heads,
-    need not divide 192 columns).  cross_entropy_exp_save at 8192 x 128256 x 4096 on an H100:
-    ping-pong 128x192 11.97 ms, cooperative 128x256 13.21 (benchmarks/results, "Stored
-    exponentials instead of stored logits")."""
-    tables = any(op.kind == "table" for op in program.operands)
-    wide = any(op.kind == "tile" and op.width == 2 for op in program.operands)
-    wide = wide or any(out.node.width == 2 for out in program.tile_outputs)
+    """Whether the epilogue is heavy for any of _heavy_because's reasons and has no segment
+    reductions (whose segments, e.g. 128-column heads, need not divide 192 columns).
+    cross_entropy_exp_save at 8192 x 128256 x 4096 on an H100: ping-pong 128x192 11.97 ms,
+    cooperative 128x256 13.21 (benchmarks/results, "Stored exponentials instead of stored
+    logits")."""
+    return bool(_heavy_because(program)) and not program.uses("segreduce")
+
+
+def _heavy_because(program) -> set[str]:
+    """Why the epilogue is heavy: "wide", it reads or writes 2N-wide tiles (SwiGLU backward);
+    "tables", it reads tables (RoPE); "stores", it writes more than N columns per row without
+    reading tile inputs (SwiGLU with its saved pre-activation: N/2 + N); "exponentials", it folds
+    exponentials of each row into a row reduction (cross-entropy's statistics: a log-sum-exp, two
+    exponentials per element, or a sum of the stored exponentials)."""
     tile_inputs = any(op.kind == "tile" for op in program.operands)
-    wide_stores = not tile_inputs and sum(out.node.width for out in program.tile_outputs) > 1
-    return (tables or wide or wide_stores or _row_exponentials(program)) and not program.uses("segreduce")
-
-
-def _row_exponentials(program) -> bool:
-    """Whether the epilogue folds exponentials of each row into a row reduction (cross-entropy's
-    statistics): work per element that a deeper K does not make cheaper against the wider tile."""
     row_reductions = [out for out in program.reductions if out.axis == "row"]
-    return any(out.reduce == "logsumexp" for out in row_reductions) or (
-        program.uses("exp") and bool(row_reductions))
+    reasons = {
+        "wide": any(op.kind == "tile" and op.width == 2 for op in program.operands)
+        or any(out.node.width == 2 for out in program.tile_outputs),
+        "tables": any(op.kind == "table" for op in program.operands),
+        "stores": not tile_inputs and sum(out.node.width for out in program.tile_outputs) > 1,
+        "exponentials": any(out.reduce == "logsumexp" for out in row_reductions)
+        or (program.uses("exp") and bool(row_reductions)),
+    }
+    return {reason for reason, holds in reasons.items() if holds}
 
 
 # ----------------------------------------------------------------------------- checks

@@ -12,7 +12,7 @@ from coda_cute.arguments import bind
 from coda_cute.config import DEFAULT_SWIZZLE, KernelConfig
 from coda_cute.errors import UnsupportedError
 from coda_cute.lower import lower
-from coda_cute.runtime import CallPlan, Kernel, _signature, runtime_defaults
+from coda_cute.runtime import CallPlan, Kernel, _heavy_because, _signature, runtime_defaults
 
 
 def _stand_in(program, tile, finish_in_gemm=False):
@@ -241,6 +241,15 @@ def test_default_schedule_per_program(name, schedule):
     cooperative 128x256, for a large problem (K = 4096)."""
     assert runtime_defaults(library.get(name)) == (((128, 192) if schedule == "pingpong" else (128, 256)), (1, 2),
                                                    schedule)
+
+
+@pytest.mark.parametrize("name,why", [
+    ("swiglu_bwd", {"wide"}), ("rope_qkv", {"tables"}), ("rms_swiglu_save", {"stores"}),
+    ("cross_entropy_exp_save", {"exponentials"}), ("gemm", set()), ("residual_sumsq", set()),
+])
+def test_heavy_epilogues_say_why(name, why):
+    """The reason decides how deep a K keeps ping-pong (runtime._pingpong_max_k)."""
+    assert _heavy_because(library.get(name)) == why
 
 
 @pytest.mark.parametrize("name,k,schedule", [
