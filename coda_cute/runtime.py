@@ -542,7 +542,8 @@ PINGPONG_MAX_K = 4096
 
 #: the deepest K at which an epilogue heavy only by its stores (more than N columns per row
 #: written, no tile read: SwiGLU with its saved pre-activation) defaults to ping-pong.  On an H100
-#: (2026-12-07, benchmarks/results "Llama block"), sustained, gate/up + RMS + SwiGLU + save:
+#: (2026-12-07, benchmarks/results "Where the MLP step's time goes"), back to back, gate/up + RMS
+#: + SwiGLU + save:
 #: ping-pong 128x192 0.865 ms against cooperative 128x256 0.936 at d = K = 2048, but 3.01-3.03
 #: against 2.95 at 4096, and the d = 4096 MLP step ran 1.0-1.4 % faster with it cooperative
 PINGPONG_MAX_K_STORES = 2048
@@ -552,8 +553,8 @@ def _pingpong_max_k(program) -> float:
     """The deepest K at which a heavy epilogue (_heavy_epilogue) defaults to ping-pong: any for
     exponentials folded into row reductions (their work per element does not shrink against a
     deeper mainloop: cross_entropy_exp_save at 8192 x 128256 x 8192 on an H100, 24.47 ms against
-    24.87-24.98 cooperative), PINGPONG_MAX_K_STORES for epilogues heavy only by their stores,
-    else PINGPONG_MAX_K."""
+    24.87-24.98 cooperative; benchmarks/results, "The d = 8192 forward keeps ping-pong"),
+    PINGPONG_MAX_K_STORES for epilogues heavy only by their stores, else PINGPONG_MAX_K."""
     why = _heavy_because(program)
     if "exponentials" in why:
         return math.inf
