@@ -543,9 +543,9 @@ PINGPONG_MAX_K = 4096
 #: the deepest K at which an epilogue heavy only by its stores (more than N columns per row
 #: written, no tile read: SwiGLU with its saved pre-activation) defaults to ping-pong.  On an H100
 #: (2026-12-07, benchmarks/results "Where the MLP step's time goes"), back to back, gate/up + RMS
-#: + SwiGLU + save:
-#: ping-pong 128x192 0.865 ms against cooperative 128x256 0.936 at d = K = 2048, but 3.01-3.03
-#: against 2.95 at 4096, and the d = 4096 MLP step ran 1.0-1.4 % faster with it cooperative
+#: + SwiGLU + save at ping-pong 128x192 took 0.865 ms against cooperative 128x256's 0.936 at
+#: d = K = 2048, but 3.01-3.03 against 2.95 at 4096, and the d = 4096 MLP step ran 1.0-1.4 %
+#: faster with it cooperative
 PINGPONG_MAX_K_STORES = 2048
 
 
