@@ -575,10 +575,7 @@ def _pingpong_tile(m: int, n: int, sms: int) -> tuple[int, int]:
 
 def _heavy_epilogue(program) -> bool:
     """Whether the epilogue is heavy for any of _heavy_because's reasons and has no segment
-    reductions (whose segments, e.g. 128-column heads, need not divide 192 columns).
-    cross_entropy_exp_save at 8192 x 128256 x 4096 on an H100: ping-pong 128x192 11.97 ms,
-    cooperative 128x256 13.21 (benchmarks/results, "Stored exponentials instead of stored
-    logits")."""
+    reductions (whose segments, e.g. 128-column heads, need not divide 192 columns)."""
     return bool(_heavy_because(program)) and not program.uses("segreduce")
 
 
@@ -587,7 +584,9 @@ def _heavy_because(program) -> set[str]:
     "tables", it reads tables (RoPE); "stores", it writes more than N columns per row without
     reading tile inputs (SwiGLU with its saved pre-activation: N/2 + N); "exponentials", it folds
     exponentials of each row into a row reduction (cross-entropy's statistics: a log-sum-exp, two
-    exponentials per element, or a sum of the stored exponentials)."""
+    exponentials per element, or a sum of the stored exponentials; cross_entropy_exp_save at
+    8192 x 128256 x 4096 on an H100: ping-pong 128x192 11.97 ms, cooperative 128x256 13.21,
+    benchmarks/results "Stored exponentials instead of stored logits")."""
     tile_inputs = any(op.kind == "tile" for op in program.operands)
     row_reductions = [out for out in program.reductions if out.axis == "row"]
     reasons = {
